@@ -1,0 +1,32 @@
+"""simpledbi: dynamic batching of many processes' small requests through shared memory.
+
+    from simpledbi import Run, ModelConfig, SharedModel
+
+    def worker(rank):
+        model = SharedModel("resnet50", max_shape=(1, 3, 224, 224))
+        y = model.forward(x)
+
+    Run(target=worker, worker_num=8,
+        models=[ModelConfig(name="resnet50", path="resnet50.pt", max_batch_size=32, model_num=2)])
+"""
+import logging as _logging
+
+from .client import SharedModel
+from .config import ModelConfig, RuntimeOptions
+from .errors import ModelError, ModelProcessDied, RuntimeStopped, SimpleDBIError, WorkerError
+from .runtime import Run
+
+__all__ = [
+    "Run",
+    "ModelConfig",
+    "RuntimeOptions",
+    "SharedModel",
+    "SimpleDBIError",
+    "ModelError",
+    "ModelProcessDied",
+    "RuntimeStopped",
+    "WorkerError",
+]
+__version__ = "0.1.0"
+
+_logging.getLogger(__name__).addHandler(_logging.NullHandler())

@@ -1,0 +1,146 @@
+"""Configuration dataclasses: one frozen, picklable object per model process group.
+
+Validation happens in ``__post_init__`` and raises ``TypeError``/``ValueError`` that say what was
+expected and what came, so a mistake surfaces in the parent before any process starts.
+"""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence, Tuple, Union
+
+__all__ = ["ModelConfig", "RuntimeOptions"]
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_\-]{0,47}$")
+_PRECISIONS = ("float32", "float16", "bfloat16")
+_GATHER_MODES = ("auto", "host", "device")
+
+
+def _check_type(name: str, value: Any, types, expected: str) -> None:
+    if not isinstance(value, types) or isinstance(value, bool) and bool not in (
+            types if isinstance(types, tuple) else (types,)):
+        raise TypeError(f"{name}: expected {expected}, got {type(value).__name__} {value!r}")
+
+
+def _normalize_devices(device) -> Tuple[str, ...]:
+    devices = [device] if isinstance(device, str) else device
+    if not isinstance(devices, (list, tuple)) or not devices:
+        raise TypeError(f"device: expected a str or a non-empty list of str, got {device!r}")
+    out = []
+    for d in devices:
+        if not isinstance(d, str):
+            raise TypeError(f"device: expected str entries, got {type(d).__name__} {d!r}")
+        if not (d in ("cpu", "cuda", "auto") or re.fullmatch(r"cuda:\d+", d)):
+            raise ValueError(f"device: expected 'cpu', 'cuda', 'cuda:N' or 'auto', got {d!r}")
+        out.append(d)
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """One named model served by ``model_num`` model processes.
+
+    Give either ``path`` (a TorchScript file, or a ``torch.export`` ``.pt2`` file) or ``factory``
+    (a picklable callable, called once in each model process, returning an ``nn.Module`` or any
+    callable taking tensors). A request is batched with others of the same item shape; a batch
+    closes at ``max_batch_size`` rows, ``wait_time`` seconds after its oldest request arrived, or
+    at once when every attached client already has a request pending.
+    """
+
+    name: str
+    path: Optional[str] = None
+    factory: Optional[Callable[[], Any]] = None
+    max_batch_size: int = 32
+    model_num: int = 1
+    wait_time: float = 0.003
+    device: Union[str, Sequence[str]] = "auto"
+    #: Item shapes (without the batch dimension) used to warm the model up at load time and to
+    #: learn its output shapes before the first request. One tuple per input.
+    input_shapes: Optional[Sequence[Sequence[int]]] = None
+    #: numpy dtype names of the inputs for the warm-up; float32 when omitted.
+    input_dtypes: Optional[Sequence[str]] = None
+    #: Cast parameters and floating inputs to this precision on the device.
+    precision: str = "float32"
+    #: torch intra-op threads per model process (CPU); None: cores / model_num.
+    num_threads: Optional[int] = None
+    #: How a batch reaches the device: "host" = np.concatenate into a pinned staging buffer and one
+    #: copy; "device" = one DMA per request straight from registered shared memory; "auto" picks
+    #: "device" on CUDA and "host" on CPU.
+    gather: str = "auto"
+    #: Most clients (SharedModel threads) that may attach at once.
+    max_clients: int = 512
+    #: Seconds a model process may take to load and warm up before Run gives up.
+    load_timeout: float = 300.0
+
+    def __post_init__(self):
+        _check_type("name", self.name, str, "str")
+        if not _NAME_RE.match(self.name):
+            raise ValueError(f"name: expected 1-48 letters, digits, '_' or '-', got {self.name!r}")
+        if (self.path is None) == (self.factory is None):
+            raise ValueError(f"model {self.name!r}: expected exactly one of path= or factory=, got "
+                             f"path={self.path!r}, factory={self.factory!r}")
+        if self.path is not None:
+            _check_type("path", self.path, (str, os.PathLike), "a file path")
+            object.__setattr__(self, "path", os.fspath(self.path))
+        if self.factory is not None and not callable(self.factory):
+            raise TypeError(f"factory: expected a callable, got {type(self.factory).__name__}")
+        _check_type("max_batch_size", self.max_batch_size, int, "int")
+        if self.max_batch_size < 1:
+            raise ValueError(f"max_batch_size: expected >= 1, got {self.max_batch_size}")
+        _check_type("model_num", self.model_num, int, "int")
+        if self.model_num < 1:
+            raise ValueError(f"model_num: expected >= 1, got {self.model_num}")
+        _check_type("wait_time", self.wait_time, (int, float), "a number of seconds")
+        if not 0 <= self.wait_time <= 60:
+            raise ValueError(f"wait_time: expected 0 <= seconds <= 60, got {self.wait_time}")
+        object.__setattr__(self, "wait_time", float(self.wait_time))
+        object.__setattr__(self, "device", _normalize_devices(self.device))
+        if self.input_shapes is not None:
+            shapes = tuple(tuple(int(d) for d in s) for s in self.input_shapes)
+            if not shapes or any(d < 1 for s in shapes for d in s):
+                raise ValueError(f"input_shapes: expected item shapes of positive ints, got "
+                                 f"{self.input_shapes!r}")
+            object.__setattr__(self, "input_shapes", shapes)
+        if self.input_dtypes is not None:
+            dtypes = tuple(str(d) for d in self.input_dtypes)
+            if self.input_shapes is None or len(dtypes) != len(self.input_shapes):
+                raise ValueError("input_dtypes: expected one dtype per entry of input_shapes, got "
+                                 f"{self.input_dtypes!r}")
+            object.__setattr__(self, "input_dtypes", dtypes)
+        if self.precision not in _PRECISIONS:
+            raise ValueError(f"precision: expected one of {_PRECISIONS}, got {self.precision!r}")
+        if self.num_threads is not None:
+            _check_type("num_threads", self.num_threads, int, "int or None")
+            if self.num_threads < 1:
+                raise ValueError(f"num_threads: expected >= 1, got {self.num_threads}")
+        if self.gather not in _GATHER_MODES:
+            raise ValueError(f"gather: expected one of {_GATHER_MODES}, got {self.gather!r}")
+        _check_type("max_clients", self.max_clients, int, "int")
+        if not 1 <= self.max_clients <= 65536:
+            raise ValueError(f"max_clients: expected 1..65536, got {self.max_clients}")
+        _check_type("load_timeout", self.load_timeout, (int, float), "seconds")
+
+    def device_of(self, instance: int) -> str:
+        """The device string of model process ``instance`` (devices are dealt round-robin)."""
+        return self.device[instance % len(self.device)]
+
+
+@dataclass(frozen=True)
+class RuntimeOptions:
+    """Knobs of the runtime itself, shared by ``Run`` and its children.
+
+    ``poll_interval`` bounds every semaphore wait: after it a sleeper checks that the other side
+    is alive, so nothing waits forever on a dead process. It is not a spin: an idle runtime wakes
+    once per interval per process.
+    """
+
+    poll_interval: float = 0.5
+    join_timeout: float = 10.0
+    shm_dir: str = "/dev/shm"
+
+    def __post_init__(self):
+        _check_type("poll_interval", self.poll_interval, (int, float), "seconds")
+        if not 0.001 <= self.poll_interval <= 60:
+            raise ValueError(f"poll_interval: expected 0.001..60 s, got {self.poll_interval}")
+        _check_type("join_timeout", self.join_timeout, (int, float), "seconds")

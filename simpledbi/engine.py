@@ -1,0 +1,287 @@
+"""Runs one gathered batch through the model: gather -> (host->device) -> forward -> (device->host).
+
+Runs only in model processes (it imports torch). Two data paths:
+
+* CPU: a single request is used in place (a zero-copy view of the client's shared memory);
+  several are ``np.concatenate``-d into a preallocated staging buffer.
+* CUDA: ``gather="device"`` issues one asynchronous DMA per request straight from the client's
+  shared memory, which is registered once with ``cudaHostRegister`` so it counts as pinned;
+  ``gather="host"`` concatenates into a pinned staging buffer and copies once. Outputs come back
+  with one copy per output into pinned memory; the caller scatters rows from there.
+
+Timing of each stage is measured with CUDA events on the device (no extra synchronisation) and
+``perf_counter`` on the host, and reported per batch for the benchmark's breakdown.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from .config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+_PRECISION = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class BadModelOutput(Exception):
+    """The model returned something that cannot be split back into per-request rows."""
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise RuntimeError(f"device {device!r} requested but torch.cuda.is_available() is False")
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
+def load_model(cfg: ModelConfig, device: torch.device):
+    """Build the model from ``cfg.factory`` or load ``cfg.path`` (TorchScript or torch.export)."""
+    if cfg.factory is not None:
+        model = cfg.factory()
+    elif cfg.path.endswith(".pt2"):
+        model = torch.export.load(cfg.path).module()
+    else:
+        model = torch.jit.load(cfg.path, map_location=device)
+    if not callable(model):
+        raise TypeError(f"model {cfg.name!r}: expected an nn.Module or callable, got "
+                        f"{type(model).__name__}")
+    if isinstance(model, torch.nn.Module):
+        try:
+            model.eval()
+        except (NotImplementedError, RuntimeError):
+            pass  # torch.export modules refuse .eval(); they were exported in eval mode
+        model.to(device)
+        if cfg.precision != "float32":
+            model.to(_PRECISION[cfg.precision])
+    return model
+
+
+@dataclass
+class BatchTimes:
+    gather: float = 0.0
+    h2d: float = 0.0
+    forward: float = 0.0
+    d2h: float = 0.0
+
+
+@dataclass
+class BatchResult:
+    outputs: List[np.ndarray]     # one array per output, batch rows first
+    is_tuple: bool
+    times: BatchTimes = field(default_factory=BatchTimes)
+
+
+class Engine:
+    """Owns the model, its device and the staging buffers of one model process."""
+
+    def __init__(self, cfg: ModelConfig, instance: int, model_procs_on_cpu: int = 1):
+        self.cfg = cfg
+        self.device = resolve_device(cfg.device_of(instance))
+        self.cuda = self.device.type == "cuda"
+        threads = cfg.num_threads or (1 if self.cuda else max(1, (os.cpu_count() or 1) // max(1, model_procs_on_cpu)))
+        torch.set_num_threads(threads)
+        if self.cuda:
+            torch.cuda.set_device(self.device)
+        self.model = load_model(cfg, self.device)
+        self.cast = _PRECISION[cfg.precision] if cfg.precision != "float32" else None
+        self.gather_mode = cfg.gather if cfg.gather != "auto" else ("device" if self.cuda else "host")
+        self._host_staging: List[np.ndarray] = []    # per input, uint8, pinned on CUDA
+        self._dev_staging: List[torch.Tensor] = []   # per input, uint8 on the device
+        self._out_staging: List[torch.Tensor] = []   # per output, pinned uint8
+        self._registered = {}                        # address -> size (cudaHostRegister)
+        if self.cuda:
+            self.stream = torch.cuda.Stream(self.device)
+            self._events = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+
+    # ------------------------------------------------------------ memory registration
+    def register(self, address: int, size: int) -> bool:
+        """Page-lock a client's shared memory so per-request DMAs need no bounce buffer."""
+        if not self.cuda or self.gather_mode != "device" or address in self._registered:
+            return address in self._registered
+        err = torch.cuda.cudart().cudaHostRegister(address, size, 0)
+        if int(err) != 0:
+            logger.warning("cudaHostRegister(%d bytes) failed with %s; using pinned staging", size, err)
+            return False
+        self._registered[address] = size
+        return True
+
+    def unregister(self, address: int) -> None:
+        if self._registered.pop(address, None) is not None:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.cudart().cudaHostUnregister(address)
+
+    def close(self) -> None:
+        for address in list(self._registered):
+            self.unregister(address)
+
+    # ------------------------------------------------------------ staging buffers
+    def _grow_host(self, k: int, nbytes: int) -> np.ndarray:
+        while len(self._host_staging) <= k:
+            self._host_staging.append(np.empty(0, np.uint8))
+        if self._host_staging[k].nbytes < nbytes:
+            if self.cuda:
+                t = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+                self._host_staging[k] = t.numpy()
+            else:
+                self._host_staging[k] = np.empty(nbytes, np.uint8)
+        return self._host_staging[k]
+
+    def _grow_dev(self, k: int, nbytes: int) -> torch.Tensor:
+        while len(self._dev_staging) <= k:
+            self._dev_staging.append(torch.empty(0, dtype=torch.uint8, device=self.device))
+        if self._dev_staging[k].numel() < nbytes:
+            self._dev_staging[k] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        return self._dev_staging[k]
+
+    def _grow_out(self, j: int, nbytes: int) -> torch.Tensor:
+        while len(self._out_staging) <= j:
+            self._out_staging.append(torch.empty(0, dtype=torch.uint8, pin_memory=True))
+        if self._out_staging[j].numel() < nbytes:
+            self._out_staging[j] = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        return self._out_staging[j]
+
+    # ------------------------------------------------------------ one batch
+    def run(self, parts: Sequence[Sequence[np.ndarray]], registered: Sequence[bool]) -> BatchResult:
+        """``parts[k][r]`` is request r's rows of input k (a view of its shared memory)."""
+        if self.cuda:
+            return self._run_cuda(parts, registered)
+        return self._run_cpu(parts)
+
+    def _run_cpu(self, parts) -> BatchResult:
+        times = BatchTimes()
+        t0 = time.perf_counter()
+        xs = []
+        for k, views in enumerate(parts):
+            if len(views) == 1:
+                arr = views[0]
+            else:
+                rows = sum(v.shape[0] for v in views)
+                item = views[0].shape[1:]
+                buf = self._grow_host(k, rows * views[0][0:1].nbytes)
+                arr = buf[:rows * views[0][0:1].nbytes].view(views[0].dtype).reshape((rows, *item))
+                np.concatenate(views, axis=0, out=arr)
+            xs.append(torch.from_numpy(arr))
+        if self.cast is not None:
+            xs = [x.to(self.cast) if x.is_floating_point() else x for x in xs]
+        t1 = time.perf_counter()
+        times.gather = t1 - t0
+        with torch.inference_mode():
+            out = self.model(*xs)
+        outs, is_tuple = _as_list(out)
+        outs = [o.float() if o.dtype == torch.bfloat16 else o for o in outs]
+        t2 = time.perf_counter()
+        times.forward = t2 - t1
+        arrays = [o.detach().contiguous().numpy() if o.device.type == "cpu" else o.detach().cpu().numpy()
+                  for o in outs]
+        times.d2h = time.perf_counter() - t2
+        return BatchResult(arrays, is_tuple, times)
+
+    def _run_cuda(self, parts, registered) -> BatchResult:
+        times = BatchTimes()
+        ev = self._events
+        t0 = time.perf_counter()
+        xs = []
+        with torch.cuda.stream(self.stream):
+            ev[0].record()
+            for k, views in enumerate(parts):
+                rows = sum(v.shape[0] for v in views)
+                item = views[0].shape[1:]
+                row_bytes = views[0][0:1].nbytes
+                nbytes = rows * row_bytes
+                dev = self._grow_dev(k, nbytes)
+                if self.gather_mode == "device" and all(registered):
+                    pos = 0
+                    for v in views:
+                        n = v.nbytes
+                        dev[pos:pos + n].copy_(torch.from_numpy(v.reshape(-1).view(np.uint8)),
+                                               non_blocking=True)
+                        pos += n
+                else:
+                    buf = self._grow_host(k, nbytes)[:nbytes]
+                    host = buf.view(views[0].dtype).reshape((rows, *item))
+                    np.concatenate(views, axis=0, out=host)
+                    dev[:nbytes].copy_(torch.from_numpy(buf), non_blocking=True)
+                x = dev[:nbytes].view(_torch_dtype(views[0].dtype)).view((rows, *item))
+                if self.cast is not None and x.is_floating_point():
+                    x = x.to(self.cast)
+                xs.append(x)
+            t1 = time.perf_counter()
+            ev[1].record()
+            with torch.inference_mode():
+                out = self.model(*xs)
+            outs, is_tuple = _as_list(out)
+            ev[2].record()
+            hosts = []
+            for j, o in enumerate(outs):
+                o = o.detach()
+                if o.dtype == torch.bfloat16:  # numpy has no bfloat16
+                    o = o.float()
+                if o.device.type != "cuda":
+                    o = o.to(self.device)
+                o = o.contiguous()
+                nbytes = o.numel() * o.element_size()
+                pinned = self._grow_out(j, nbytes)[:nbytes]
+                pinned.view(o.dtype).view(o.shape).copy_(o, non_blocking=True)
+                hosts.append((pinned, o.dtype, tuple(o.shape)))
+            ev[3].record()
+        t2 = time.perf_counter()
+        ev[3].synchronize()
+        arrays = [p.numpy().view(_numpy_dtype(dt)).reshape(shape) for p, dt, shape in hosts]
+        times.gather = t1 - t0
+        times.h2d = ev[0].elapsed_time(ev[1]) / 1e3
+        times.forward = ev[1].elapsed_time(ev[2]) / 1e3
+        times.d2h = ev[2].elapsed_time(ev[3]) / 1e3
+        del t2
+        return BatchResult(arrays, is_tuple, times)
+
+    def warm_up(self, shapes: Sequence[Tuple[int, ...]], dtypes: Sequence[str], batch_sizes: Sequence[int]):
+        """Run the model on zero batches so lazy initialisation (cuDNN plans, allocator pools,
+        TorchScript profiling runs) is paid before the first request; returns the last result."""
+        result = None
+        for n in batch_sizes:
+            for _ in range(3 if self.cuda else 1):
+                views = [[np.zeros((n, *s), dtype=np.dtype(d))] for s, d in zip(shapes, dtypes)]
+                result = self.run(views, [False] * len(views))
+        return result
+
+
+def _as_list(out: Any) -> Tuple[List[torch.Tensor], bool]:
+    if isinstance(out, torch.Tensor):
+        return [out], False
+    if isinstance(out, (tuple, list)) and out and all(isinstance(o, torch.Tensor) for o in out):
+        return list(out), True
+    raise BadModelOutput(f"expected the model to return a tensor or a tuple/list of tensors, got "
+                         f"{type(out).__name__}")
+
+
+_NP_TO_TORCH = {
+    np.dtype("float32"): torch.float32, np.dtype("float16"): torch.float16,
+    np.dtype("float64"): torch.float64, np.dtype("int64"): torch.int64,
+    np.dtype("int32"): torch.int32, np.dtype("int16"): torch.int16, np.dtype("int8"): torch.int8,
+    np.dtype("uint8"): torch.uint8, np.dtype("bool"): torch.bool,
+    np.dtype("complex64"): torch.complex64,
+}
+_TORCH_TO_NP = {v: k for k, v in _NP_TO_TORCH.items()}
+
+
+def _torch_dtype(dt) -> torch.dtype:
+    return _NP_TO_TORCH[np.dtype(dt)]
+
+
+def _numpy_dtype(dt: torch.dtype) -> np.dtype:
+    try:
+        return _TORCH_TO_NP[dt]
+    except KeyError:
+        raise BadModelOutput(f"output dtype {dt} has no numpy equivalent; cast it in the model "
+                             f"(e.g. .float())") from None

@@ -1,0 +1,73 @@
+"""The exceptions a caller of simpledbi can see.
+
+Everything derives from :class:`SimpleDBIError` so an application can catch the whole family.
+Errors that happen in another process (a model's forward pass) are re-raised in the caller as a
+fresh exception object whose ``__cause__`` carries the remote traceback text, the way CPython's
+``concurrent.futures.process`` does it.
+"""
+from __future__ import annotations
+
+__all__ = [
+    "SimpleDBIError",
+    "ModelError",
+    "ModelProcessDied",
+    "RuntimeStopped",
+    "WorkerError",
+    "RemoteTraceback",
+]
+
+
+class SimpleDBIError(Exception):
+    """Base class of every simpledbi error."""
+
+
+class RemoteTraceback(Exception):
+    """Holds the formatted traceback of an exception raised in another process."""
+
+    def __init__(self, tb: str):
+        super().__init__(tb)
+        self.tb = tb
+
+    def __str__(self) -> str:
+        return self.tb
+
+
+class ModelError(SimpleDBIError):
+    """The model's own forward pass raised (or returned something unusable) for this request's batch.
+
+    ``remote_type`` is the original exception's type name and ``remote_traceback`` its traceback
+    text; the runtime stays up and serves the next batch.
+    """
+
+    def __init__(self, message: str, remote_type: str = "", remote_traceback: str = ""):
+        super().__init__(message)
+        self.remote_type = remote_type
+        self.remote_traceback = remote_traceback
+        if remote_traceback:
+            self.__cause__ = RemoteTraceback(remote_traceback)
+
+
+class ModelProcessDied(SimpleDBIError):
+    """A model process died (or the runtime was declared broken) while this request depended on it."""
+
+    def __init__(self, message: str, exitcode: int | None = None):
+        super().__init__(message)
+        self.exitcode = exitcode
+
+
+class RuntimeStopped(SimpleDBIError):
+    """The runtime is shutting down (or gone) and accepts no more requests."""
+
+
+class WorkerError(SimpleDBIError):
+    """A worker process of :func:`simpledbi.Run` failed: it raised, or exited with a non-zero code."""
+
+    def __init__(self, message: str, rank: int, exitcode: int | None = None,
+                 remote_type: str = "", remote_traceback: str = ""):
+        super().__init__(message)
+        self.rank = rank
+        self.exitcode = exitcode
+        self.remote_type = remote_type
+        self.remote_traceback = remote_traceback
+        if remote_traceback:
+            self.__cause__ = RemoteTraceback(remote_traceback)

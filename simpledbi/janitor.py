@@ -1,0 +1,74 @@
+"""A tiny watchdog process that cleans up if the main process dies without doing it itself.
+
+The main process (``Run``) holds one end of a pipe; the janitor blocks reading the other.
+Normal shutdown sends ``("done",)``. If the main process is SIGKILLed the read returns EOF:
+the janitor then stops the workers (SIGTERM), gives model processes ``grace`` seconds to
+notice the orphaning and exit cleanly (a CUDA MPS client should not be killed mid-kernel), kills
+what is left and removes every segment and semaphore of the run's namespace. Same idea as
+CPython's ``resource_tracker``, scoped to one run.
+"""
+from __future__ import annotations
+
+import os
+import select
+import signal
+import time
+
+from .shm import sweep_namespace
+
+
+def janitor_main(namespace: str, conn, grace: float) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    workers, models = set(), set()
+    orphaned = False
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            orphaned = True
+            break
+        kind = msg[0]
+        if kind == "worker":
+            workers.add(msg[1])
+        elif kind == "model":
+            models.add(msg[1])
+        elif kind == "done":
+            break
+    if orphaned:
+        for pid in workers:
+            _signal(pid, signal.SIGTERM)
+        _wait_all(models | workers, grace)
+        for pid in models | workers:
+            _signal(pid, signal.SIGKILL)
+        _wait_all(models | workers, 5.0)
+    sweep_namespace(namespace)
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _wait_all(pids, timeout: float) -> None:
+    """Wait until every pid has exited (pidfds become readable at exit), or the timeout."""
+    fds = []
+    for pid in pids:
+        try:
+            fds.append(os.pidfd_open(pid))
+        except (ProcessLookupError, OSError):
+            continue
+    deadline = time.monotonic() + timeout
+    try:
+        while fds:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            ready, _, _ = select.select(fds, [], [], left)
+            for fd in ready:
+                fds.remove(fd)
+                os.close(fd)
+    finally:
+        for fd in fds:
+            os.close(fd)

@@ -1,0 +1,60 @@
+"""Reading the runtime's own counters out of a model's control block.
+
+Model processes write per-instance counters and a ring of per-batch records (slots.B_FIELDS);
+this module turns them into the figures ``SharedModel.stats()`` and ``benchmark.py`` report.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+
+from .slots import B_FIELDS, C_BATCHES, C_ERRORS, C_REQUESTS, C_RING_HEAD, C_ROWS, RING
+
+STAGES = ("queue_wait", "gather", "h2d", "forward", "d2h", "scatter", "runtime")
+
+
+def batch_records(ctl, since: Optional[float] = None, until: Optional[float] = None) -> np.ndarray:
+    """Per-batch records of all instances (the last ``RING`` of each), as a (n, len(B_FIELDS)) array.
+
+    ``since``/``until`` keep batches that closed in that ``time.monotonic()`` window.
+    """
+    out = []
+    for inst in range(ctl.model_num):
+        head = int(ctl.counters[inst, C_RING_HEAD])
+        n = min(head, RING)
+        if n == 0:
+            continue
+        recs = ctl.ring[inst, :n].copy() if head <= RING else np.roll(ctl.ring[inst], -(head % RING), axis=0).copy()
+        out.append(recs)
+    if not out:
+        return np.zeros((0, len(B_FIELDS)))
+    recs = np.concatenate(out)
+    t = recs[:, B_FIELDS.index("t_close")]
+    keep = np.ones(len(recs), bool)
+    if since is not None:
+        keep &= t >= since
+    if until is not None:
+        keep &= t <= until
+    return recs[keep]
+
+
+def summarize(ctl) -> dict:
+    """Counters since start plus mean per-batch stage times (seconds) over the recent batches."""
+    c = ctl.counters
+    requests = int(c[:, C_REQUESTS].sum())
+    batches = int(c[:, C_BATCHES].sum())
+    rows = int(c[:, C_ROWS].sum())
+    out = {
+        "requests": requests,
+        "batches": batches,
+        "rows": rows,
+        "errors": int(c[:, C_ERRORS].sum()),
+        "mean_batch_size": rows / batches if batches else 0.0,
+        "mean_requests_per_batch": requests / batches if batches else 0.0,
+    }
+    recs = batch_records(ctl)
+    for stage in STAGES:
+        col = recs[:, B_FIELDS.index(stage)] if len(recs) else np.zeros(0)
+        out[f"mean_{stage}_s"] = float(col.mean()) if col.size else 0.0
+    return out

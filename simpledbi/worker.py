@@ -1,0 +1,43 @@
+"""What runs in a worker process started by ``Run``: the user's target, with its result or
+exception sent back to the parent and its SharedModel slots detached on the way out."""
+from __future__ import annotations
+
+import faulthandler
+import os
+import signal
+import sys
+import traceback
+
+from .client import ENV_NAMESPACE, close_all_clients
+
+
+def worker_main(rank: int, target, args, kwargs, namespace: str, conn) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    faulthandler.enable()
+    os.environ[ENV_NAMESPACE] = namespace
+    code = 0
+    try:
+        try:
+            result = target(rank, *args, **kwargs)
+        except SystemExit as e:
+            if e.code in (None, 0):
+                result = None
+            else:
+                raise
+        try:
+            conn.send(("ok", result))
+        except Exception as e:  # noqa: BLE001 - an unpicklable result
+            conn.send(("error", type(e).__name__,
+                       f"the worker's return value could not be sent back: {e}", ""))
+            code = 1
+    except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises WorkerError
+        code = 1
+        try:
+            conn.send(("error", type(e).__name__, str(e), traceback.format_exc()))
+        except Exception:  # noqa: BLE001
+            pass
+    finally:
+        close_all_clients()
+        conn.close()
+    if code:
+        sys.exit(code)
