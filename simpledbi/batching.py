@@ -22,8 +22,8 @@ def oldest_group(pending: np.ndarray, keys: np.ndarray, t_publish: np.ndarray) -
 
     Returns ``(0, empty)`` when nothing is pending.
     """
-    if pending.size == 0:
-        return 0, pending
+    if pending.size <= 1:
+        return (int(keys[pending[0]]) if pending.size else 0), pending
     times = t_publish[pending]
     key = int(keys[pending[int(np.argmin(times))]])
     same = pending[keys[pending] == key]
@@ -35,6 +35,8 @@ def take_fitting(order: np.ndarray, rows: np.ndarray, room: int) -> List[int]:
     that does not fit waits for the next batch rather than being overtaken indefinitely)."""
     if room <= 0 or order.size == 0:
         return []
+    if order.size == 1:
+        return [int(order[0])] if rows[order[0]] <= room else []
     cum = np.cumsum(rows[order])
     n = int(np.searchsorted(cum, room, side="right"))
     return [int(s) for s in order[:n]]
@@ -51,7 +53,12 @@ def close_decision(batch_rows: int, max_batch: int, oldest_publish: float, now: 
     return False, left
 
 
-def more_can_arrive(states: np.ndarray, attached: np.ndarray, idle_states: Tuple[int, ...]) -> bool:
-    """True if some attached client could still send a request (it has none pending now)."""
-    can = attached.astype(bool) & np.isin(states, idle_states)
+def more_can_arrive(states: np.ndarray, idle_states: Tuple[int, ...]) -> bool:
+    """True if some attached client could still send a request (it has none pending now).
+
+    ``states`` holds one entry per slot; detached slots are in a state outside ``idle_states``.
+    """
+    can = states == idle_states[0]
+    for s in idle_states[1:]:
+        can |= states == s
     return bool(can.any())

@@ -124,8 +124,16 @@ class SharedModel:
         self._slots: List[_Slot] = []
         self._lock = threading.Lock()
         self._closed = False
+        # Detach on close(), at worker exit, or when the handle is garbage-collected: an attached
+        # but unused slot would make model processes wait for a request that never comes.
+        self._finalizer = weakref.finalize(self, _release, self._slots, self.doorbell, self.ctl,
+                                           os.getpid())
         _live_clients.add(self)
-        self._slot()  # attach now so setup errors surface at construction
+        try:
+            self._slot()  # attach now so setup errors surface at construction
+        except BaseException:
+            self.close()
+            raise
 
     # ------------------------------------------------------------ public API
     def forward(self, *inputs, timeout: Optional[float] = None):
@@ -155,13 +163,8 @@ class SharedModel:
             if self._closed:
                 return
             self._closed = True
-            slots, self._slots = self._slots, []
-        for slot in slots:
-            if slot.pid == os.getpid():
-                slot.detach()
         _live_clients.discard(self)
-        self.doorbell.close()
-        self.ctl.close()
+        self._finalizer()
 
     def __enter__(self):
         return self
@@ -221,11 +224,23 @@ class SharedModel:
         return arrays, as_torch
 
 
+def _release(slots: list, doorbell, ctl, owner_pid: int) -> None:
+    if os.getpid() == owner_pid:
+        for slot in slots:
+            slot.detach()
+    slots.clear()
+    doorbell.close()
+    ctl.close()
+
+
 class _Slot:
     """One thread's request slot: segments, semaphores and the client half of the protocol."""
 
     def __init__(self, client: SharedModel):
-        self.client = client
+        # No reference back to the SharedModel: its finalizer holds the slots, and a cycle would
+        # keep the handle alive forever.
+        self.name, self.namespace = client.name, client.namespace
+        self.poll_interval, self.doorbell = client.poll_interval, client.doorbell
         self.pid = os.getpid()
         self.ctl = client.ctl
         ns, name = client.namespace, client.name
@@ -251,11 +266,16 @@ class _Slot:
                 write_desc(desc_view(w, R_DESC, k), dtype_code(dt), s[1:], off, cap)
             self.seq = 0
             self.stale_seq = 0
+            self._inputs = [(dt, off) for (off, _), dt in zip(offsets, client.dtypes)]
+            self._codes = [dtype_code(dt) for dt in client.dtypes]
+            self._in_views = {}    # (k, shape) -> view of the input region
+            self._out_views = {}   # (j, dtype code, shape) -> view of the output region
+            self._keys = {}        # (item shapes, flags) -> batching key
             table[T_OWNER, self.index] = self.pid
             table[T_STATE, self.index] = IDLE
             table[T_GEN, self.index] = self.gen
             table[T_ATTACHED, self.index] = 1
-            self._setup_outputs(ns, name)
+            self._setup_outputs(client, ns, name)
         except BaseException:
             self.detach()
             raise
@@ -274,8 +294,7 @@ class _Slot:
         raise RuntimeError(f"model {name!r}: all {self.ctl.max_slots} client slots are in use "
                            f"(raise ModelConfig.max_clients)")
 
-    def _setup_outputs(self, ns: str, name: str) -> None:
-        client = self.client
+    def _setup_outputs(self, client: SharedModel, ns: str, name: str) -> None:
         codes = [dtype_code(d) for d in client.dtypes]
         key = shape_key(codes, [s[1:] for s in client.max_shapes], 0)
         spec = self._find_spec(key)
@@ -331,12 +350,17 @@ class _Slot:
         self._check_status(status)
         n_out = int(w[P_NOUT])
         if n_out != self.n_out:
-            raise ModelError(f"model {self.client.name!r} returned {n_out} outputs, expected "
+            raise ModelError(f"model {self.name!r} returned {n_out} outputs, expected "
                              f"{self.n_out} (as at its first call)")
         outs = []
         for j in range(n_out):
-            dt, shape, off, _ = read_desc(desc_view(w, P_DESC, j))
-            outs.append(self.out_seg.ndarray(off, dt, shape).copy())
+            d = w[P_DESC + j * DESC_WORDS: P_DESC + (j + 1) * DESC_WORDS]
+            cache_key = (j, *d[:4 + int(d[1])].tolist())
+            view = self._out_views.get(cache_key)
+            if view is None:
+                dt, shape, off, _ = read_desc(d)
+                view = self._out_views[cache_key] = self.out_seg.ndarray(off, dt, shape)
+            outs.append(view.copy())
         return outs, self.is_tuple
 
     def _publish(self, arrays: List[np.ndarray], flags: int) -> None:
@@ -344,16 +368,23 @@ class _Slot:
         if state >= STOPPING:
             self._raise_runtime_state()
         w = self.views.words
-        codes, items = [], []
         for k, x in enumerate(arrays):
-            dt, _, off, _ = read_desc(desc_view(w, R_DESC, k))
-            self.in_seg.ndarray(off, dt, x.shape)[...] = x
-            d = desc_view(w, R_DESC, k)
-            write_desc(d, int(d[0]), x.shape[1:])
-            codes.append(int(d[0]))
-            items.append(x.shape[1:])
+            view = self._in_views.get((k, x.shape))
+            if view is None:
+                dt, off = self._inputs[k]
+                view = self._in_views[(k, x.shape)] = self.in_seg.ndarray(off, dt, x.shape)
+                if len(self._in_views) > 256:  # many distinct shapes: keep the cache bounded
+                    self._in_views.clear()
+            np.copyto(view, x)
+            base = R_DESC + k * DESC_WORDS
+            nd = x.ndim - 1
+            w[base + 1] = nd
+            w[base + 4: base + 4 + nd] = x.shape[1:]
         rows = arrays[0].shape[0]
-        key = shape_key(codes, items, flags)
+        items = tuple(x.shape[1:] for x in arrays)
+        key = self._keys.get((items, flags))
+        if key is None:
+            key = self._keys[(items, flags)] = shape_key(self._codes, items, flags)
         self.seq += 1
         w[R_ROWS] = rows
         w[R_FLAGS] = flags
@@ -367,11 +398,11 @@ class _Slot:
         self.ctl.t_publish[i] = now
         table[T_STATE, i] = PUBLISHED
         self.ready.release()
-        self.client.doorbell.release()
+        self.doorbell.release()
 
     def _await(self, seq: int, deadline: Optional[float]) -> None:
         """Sleep until the response to ``seq`` is written; check liveness at every poll interval."""
-        poll = self.client.poll_interval
+        poll = self.poll_interval
         w = self.views.words
         while True:
             wait = poll
@@ -399,10 +430,10 @@ class _Slot:
             self.ready.acquire(0)  # withdraw: succeeds only if no model process claimed it
         except posix_ipc.BusyError:
             self.stale_seq = seq
-            raise TimeoutError(f"model {self.client.name!r}: no result within the timeout; the "
+            raise TimeoutError(f"model {self.name!r}: no result within the timeout; the "
                                f"request is being computed and its late result will be discarded")
         self.ctl.table[T_STATE, self.index] = IDLE
-        raise TimeoutError(f"model {self.client.name!r}: no result within the timeout (the request "
+        raise TimeoutError(f"model {self.name!r}: no result within the timeout (the request "
                            f"was withdrawn before any model process took it)")
 
     def _check_alive(self, seq: int) -> None:
@@ -414,19 +445,19 @@ class _Slot:
             claimer = int(table[T_CLAIMER, self.index])
             pid = int(ctl.instances[claimer, I_PID])
             if pid and not _pid_alive(pid):
-                raise ModelProcessDied(f"model {self.client.name!r}: model process {claimer} "
+                raise ModelProcessDied(f"model {self.name!r}: model process {claimer} "
                                        f"(pid {pid}) died while computing this request")
         pids = [int(p) for p in ctl.instances[:, I_PID] if p]
         if pids and not any(_pid_alive(p) for p in pids):
-            raise ModelProcessDied(f"model {self.client.name!r}: no model process is alive")
+            raise ModelProcessDied(f"model {self.name!r}: no model process is alive")
         if ctl.state == STOPPING and table[T_STATE, self.index] != CLAIMED:
             self._raise_runtime_state()
 
     def _raise_runtime_state(self):
         state, msg = self.ctl.state, self.ctl.message()
         if state == BROKEN:
-            raise ModelProcessDied(msg or f"model {self.client.name!r}: the runtime is broken")
-        raise RuntimeStopped(f"model {self.client.name!r}: the runtime is shutting down")
+            raise ModelProcessDied(msg or f"model {self.name!r}: the runtime is broken")
+        raise RuntimeStopped(f"model {self.name!r}: the runtime is shutting down")
 
     def _check_status(self, status: int) -> None:
         if status == ST_OK:
@@ -435,17 +466,17 @@ class _Slot:
         if status == ST_MODEL_ERROR:
             type_name, _, rest = text.partition("\n")
             message, _, tb = rest.partition("\n")
-            raise ModelError(f"model {self.client.name!r} raised {type_name}: {message}",
+            raise ModelError(f"model {self.name!r} raised {type_name}: {message}",
                              remote_type=type_name, remote_traceback=tb)
         if status == ST_BAD_REQUEST:
-            raise ValueError(f"model {self.client.name!r}: {text}")
+            raise ValueError(f"model {self.name!r}: {text}")
         if status == ST_STOPPED:
-            raise RuntimeStopped(f"model {self.client.name!r}: {text or 'runtime stopped'}")
-        raise ModelProcessDied(f"model {self.client.name!r}: {text or 'model process died'}")
+            raise RuntimeStopped(f"model {self.name!r}: {text or 'runtime stopped'}")
+        raise ModelProcessDied(f"model {self.name!r}: {text or 'model process died'}")
 
     def detach(self) -> None:
         """Give the slot back and remove its shared memory (only this slot's creator does this)."""
-        ns, name = self.client.namespace, self.client.name
+        ns, name = self.namespace, self.name
         try:
             if self.ready is not None:
                 try:
@@ -473,6 +504,10 @@ class _Slot:
                 self.ready.close()
                 unlink_sem(sem_name(ns, name, self.index, "rdy"))
                 self.ready = None
+            try:  # one client fewer may let a waiting batch close now
+                self.doorbell.release()
+            except Exception:  # noqa: BLE001 - the runtime is already gone
+                pass
 
 
 def _pid_alive(pid: int) -> bool:

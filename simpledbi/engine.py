@@ -176,8 +176,7 @@ class Engine:
             xs = [x.to(self.cast) if x.is_floating_point() else x for x in xs]
         t1 = time.perf_counter()
         times.gather = t1 - t0
-        with torch.inference_mode():
-            out = self.model(*xs)
+        out = self.model(*xs)  # the model process runs under torch.inference_mode()
         outs, is_tuple = _as_list(out)
         outs = [o.float() if o.dtype == torch.bfloat16 else o for o in outs]
         t2 = time.perf_counter()
@@ -218,8 +217,7 @@ class Engine:
                 xs.append(x)
             t1 = time.perf_counter()
             ev[1].record()
-            with torch.inference_mode():
-                out = self.model(*xs)
+            out = self.model(*xs)  # the model process runs under torch.inference_mode()
             outs, is_tuple = _as_list(out)
             ev[2].record()
             hosts = []
@@ -248,6 +246,11 @@ class Engine:
     def warm_up(self, shapes: Sequence[Tuple[int, ...]], dtypes: Sequence[str], batch_sizes: Sequence[int]):
         """Run the model on zero batches so lazy initialisation (cuDNN plans, allocator pools,
         TorchScript profiling runs) is paid before the first request; returns the last result."""
+        result = None
+        with torch.inference_mode():
+            return self._warm_up(shapes, dtypes, batch_sizes)
+
+    def _warm_up(self, shapes, dtypes, batch_sizes):
         result = None
         for n in batch_sizes:
             for _ in range(3 if self.cuda else 1):

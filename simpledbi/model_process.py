@@ -85,6 +85,8 @@ class _Peer:
         self.done = open_semaphore(sem_name(namespace, model, slot, "don"))
         n_in = int(self.views.words[R_NIN])
         self.inputs = [read_desc(desc_view(self.views.words, R_DESC, k)) for k in range(n_in)]
+        self._views: Dict[tuple, np.ndarray] = {}
+        self._out_views: Dict[tuple, np.ndarray] = {}
         self.address = self.in_seg.address()
         self.registered = engine.register(self.address, self.in_seg.size)
 
@@ -98,16 +100,28 @@ class _Peer:
         return tuple(shapes)
 
     def input_view(self, k: int, rows: int, item: Tuple[int, ...]) -> np.ndarray:
-        dtype, _, offset, _ = self.inputs[k]
-        return self.in_seg.ndarray(offset, dtype, (rows, *item))
+        view = self._views.get((k, rows, item))
+        if view is None:
+            dtype, _, offset, _ = self.inputs[k]
+            if len(self._views) > 256:
+                self._views.clear()
+            view = self._views[(k, rows, item)] = self.in_seg.ndarray(offset, dtype, (rows, *item))
+        return view
 
-    def output_segment(self) -> Segment:
-        if self.out_seg is None:
-            self.out_seg = Segment(self.out_name, int(self.views.words[P_OUT_BYTES]), create=False)
-        return self.out_seg
+    def output_view(self, j: int, offset: int, dtype: np.dtype, shape: Tuple[int, ...]) -> np.ndarray:
+        view = self._out_views.get((j, dtype, shape))
+        if view is None:
+            if self.out_seg is None:
+                self.out_seg = Segment(self.out_name, int(self.views.words[P_OUT_BYTES]), create=False)
+            if len(self._out_views) > 256:
+                self._out_views.clear()
+            view = self._out_views[(j, dtype, shape)] = self.out_seg.ndarray(offset, dtype, shape)
+        return view
 
     def close(self, engine) -> None:
         engine.unregister(self.address)
+        self._views.clear()
+        self._out_views.clear()
         self.views.release()
         self.in_seg.close()
         if self.out_seg is not None:
@@ -156,6 +170,11 @@ class ModelServer:
 
     # ------------------------------------------------------------ main loop
     def serve(self) -> None:
+        import torch
+        with torch.inference_mode():  # once for the whole loop, not per batch
+            self._serve()
+
+    def _serve(self) -> None:
         while True:
             if int(self.ctl.header[H_STATE]) >= STOPPING:
                 break
@@ -265,10 +284,16 @@ class ModelServer:
         probe = bool(batch[0].flags & FLAG_PROBE)
         while not probe:
             states = table[T_STATE]
-            same_left = bool(np.any((states == PUBLISHED) & (table[T_KEY] == key)))
-            more = batching.more_can_arrive(states, table[T_ATTACHED], (IDLE, DONE))
+            same = np.flatnonzero((states == PUBLISHED) & (table[T_KEY] == key))
+            if same.size:  # newcomers of our shape: take what fits
+                order = same[np.argsort(t_pub[same], kind="stable")]
+                rows += self._claim(order, key, self.max_batch - rows, batch)
+                states = table[T_STATE]
+                same = np.flatnonzero((states == PUBLISHED) & (table[T_KEY] == key))
+            # A same-shape request still waiting did not fit: the batch is as full as it gets.
+            more = same.size == 0 and batching.more_can_arrive(states, (IDLE, DONE))
             close, wait = batching.close_decision(rows, self.max_batch, oldest, time.monotonic(),
-                                                  self.wait_time, more and not same_left)
+                                                  self.wait_time, more)
             if close:
                 break
             try:
@@ -276,10 +301,6 @@ class ModelServer:
                 self._drain_doorbell()
             except posix_ipc.BusyError:
                 pass
-            pending = np.flatnonzero((table[T_STATE] == PUBLISHED) & (table[T_KEY] == key))
-            if pending.size:
-                order = pending[np.argsort(t_pub[pending], kind="stable")]
-                rows += self._claim(order, key, self.max_batch - rows, batch)
         if self.ctl.model_num > 1 and np.any(table[T_STATE] == PUBLISHED):
             self.door.release()  # leftovers (other shapes, no room): wake a peer process
         return batch
@@ -326,7 +347,6 @@ class ModelServer:
         w = r.peer.views.words
         w[P_NOUT] = len(result.outputs)
         w[P_TUPLE] = int(result.is_tuple)
-        seg = None
         for j, o in enumerate(result.outputs):
             d = desc_view(w, P_DESC, j)
             rows = o[offset:offset + r.rows]
@@ -339,9 +359,7 @@ class ModelServer:
                     f"output {j} of shape {rows.shape} ({rows.dtype}) needs {rows.nbytes} bytes but "
                     f"this client reserved {capacity} (sized from its max_shape); an input smaller "
                     f"than max_shape must not give a larger output")
-            if seg is None:
-                seg = r.peer.output_segment()
-            seg.ndarray(int(d[2]), rows.dtype, rows.shape)[...] = rows
+            r.peer.output_view(j, int(d[2]), rows.dtype, rows.shape)[...] = rows
         return ST_OK, ""
 
     def _respond(self, r: _Request, status: int, text: str, t_close: float, total: int) -> None:

@@ -281,6 +281,7 @@ class Runtime:
                     unlink_sem(sem_name(self.namespace, name, slot, "don"))
                     unlink_sem(sem_name(self.namespace, name, slot, "rdy"))  # last: frees the index
                     reaped += 1
+                    self.doorbells[name].release()  # a batch may be waiting for this client
                     logger.warning("reaped slot %d of model %r: its client (pid %d) died", slot, name, pid)
         return reaped
 

@@ -1,0 +1,125 @@
+"""Write a ResNet-50 with random weights as TorchScript and torch.export files (no torchvision).
+
+    python fake_resnet50.py                 # -> models/resnet50.pt and models/resnet50.pt2
+    python fake_resnet50.py --out DIR --format torchscript
+
+The architecture is the standard bottleneck ResNet-50 (3-4-6-3 blocks, 25.6 M parameters); the
+batch dimension of both files is dynamic. ``build_resnet50()`` and ``build_tiny()`` are also used
+by benchmark.py and the tests as in-process factories.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+import warnings
+
+import torch
+from torch import nn
+
+
+class Bottleneck(nn.Module):
+    expansion = 4
+
+    def __init__(self, inplanes: int, planes: int, stride: int = 1):
+        super().__init__()
+        width = planes
+        self.conv1 = nn.Conv2d(inplanes, width, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(width)
+        self.conv2 = nn.Conv2d(width, width, 3, stride=stride, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(width)
+        self.conv3 = nn.Conv2d(width, planes * self.expansion, 1, bias=False)
+        self.bn3 = nn.BatchNorm2d(planes * self.expansion)
+        self.relu = nn.ReLU(inplace=True)
+        self.downsample = None
+        if stride != 1 or inplanes != planes * self.expansion:
+            self.downsample = nn.Sequential(
+                nn.Conv2d(inplanes, planes * self.expansion, 1, stride=stride, bias=False),
+                nn.BatchNorm2d(planes * self.expansion))
+
+    def forward(self, x):
+        identity = x if self.downsample is None else self.downsample(x)
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.relu(self.bn2(self.conv2(out)))
+        out = self.bn3(self.conv3(out))
+        return self.relu(out + identity)
+
+
+class ResNet(nn.Module):
+    def __init__(self, layers=(3, 4, 6, 3), num_classes: int = 1000, base: int = 64):
+        super().__init__()
+        self.inplanes = base
+        self.conv1 = nn.Conv2d(3, base, 7, stride=2, padding=3, bias=False)
+        self.bn1 = nn.BatchNorm2d(base)
+        self.relu = nn.ReLU(inplace=True)
+        self.maxpool = nn.MaxPool2d(3, stride=2, padding=1)
+        self.layer1 = self._make(base, layers[0], 1)
+        self.layer2 = self._make(base * 2, layers[1], 2)
+        self.layer3 = self._make(base * 4, layers[2], 2)
+        self.layer4 = self._make(base * 8, layers[3], 2)
+        self.avgpool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(base * 8 * Bottleneck.expansion, num_classes)
+        for m in self.modules():
+            if isinstance(m, nn.Conv2d):
+                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+
+    def _make(self, planes: int, blocks: int, stride: int) -> nn.Sequential:
+        layers = [Bottleneck(self.inplanes, planes, stride)]
+        self.inplanes = planes * Bottleneck.expansion
+        layers += [Bottleneck(self.inplanes, planes) for _ in range(1, blocks)]
+        return nn.Sequential(*layers)
+
+    def forward(self, x):
+        x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
+        x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
+        return self.fc(torch.flatten(self.avgpool(x), 1))
+
+
+def build_resnet50(seed: int = 0) -> nn.Module:
+    """ResNet-50, random weights from ``seed`` (so every model process builds the same model)."""
+    torch.manual_seed(seed)
+    return ResNet().eval()
+
+
+def build_tiny(seed: int = 0) -> nn.Module:
+    """A one-block ResNet of width 8: same shapes in and out as ResNet-50, fast on a CPU."""
+    torch.manual_seed(seed)
+    return ResNet(layers=(1, 1, 1, 1), base=8).eval()
+
+
+def export(out_dir: str, fmt: str = "both", tiny: bool = False, name: str = "resnet50") -> list:
+    """Write the model; returns the paths written."""
+    os.makedirs(out_dir, exist_ok=True)
+    model = build_tiny() if tiny else build_resnet50()
+    example = torch.randn(2, 3, 224, 224)
+    paths = []
+    with torch.no_grad(), warnings.catch_warnings():
+        # TorchScript is deprecated in recent torch but still what many deployments load.
+        warnings.simplefilter("ignore", DeprecationWarning)
+        if fmt in ("both", "torchscript"):
+            path = os.path.join(out_dir, f"{name}.pt")
+            torch.jit.save(torch.jit.trace(model, example), path)
+            paths.append(path)
+        if fmt in ("both", "export"):
+            path = os.path.join(out_dir, f"{name}.pt2")
+            batch = torch.export.Dim("batch", min=1, max=4096)
+            ep = torch.export.export(model, (example,), dynamic_shapes={"x": {0: batch}})
+            torch.export.save(ep, path)
+            paths.append(path)
+    return paths
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="models", help="output folder (default: models)")
+    ap.add_argument("--format", choices=("both", "torchscript", "export"), default="both")
+    ap.add_argument("--tiny", action="store_true", help="write the small test model instead")
+    args = ap.parse_args()
+    t = time.perf_counter()
+    for path in export(args.out, args.format, args.tiny, "tiny_resnet" if args.tiny else "resnet50"):
+        print(f"wrote {path} ({os.path.getsize(path) / 2**20:.1f} MiB)")
+    print(f"done in {time.perf_counter() - t:.1f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,64 @@
+"""Shared fixtures: runtimes with short poll intervals, gates, and a leak check after every test."""
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import os
+import secrets
+
+import posix_ipc
+import pytest
+
+from simpledbi import ModelConfig, RuntimeOptions
+from simpledbi.runtime import Runtime
+
+FAST = RuntimeOptions(poll_interval=0.05, join_timeout=10.0)
+
+
+def ours(pid: int = None) -> list:
+    """Entries of /dev/shm that belong to runtimes owned by ``pid`` (default: this process)."""
+    tag = f"sdbi_{pid or os.getpid()}_"
+    return sorted(e for e in os.listdir("/dev/shm") if e.startswith(tag) or e.startswith("sem." + tag))
+
+
+@pytest.fixture(autouse=True)
+def no_leftovers():
+    yield
+    assert ours() == [], "shared memory or semaphores left behind"
+    assert mp.active_children() == [], "child processes left behind"
+
+
+@pytest.fixture
+def start_runtime():
+    """``start_runtime(*configs)`` -> a started Runtime, shut down after the test."""
+    with contextlib.ExitStack() as stack:
+        def start(*configs, options=FAST):
+            return stack.enter_context(Runtime(list(configs), options))
+        yield start
+
+
+@pytest.fixture
+def gate():
+    """A named semaphore the test opens to let a Gated model proceed."""
+    name = f"/sdbitest_{os.getpid()}_{secrets.token_hex(3)}.gate"
+    sem = posix_ipc.Semaphore(name, posix_ipc.O_CREX, initial_value=0)
+    yield sem
+    sem.unlink()
+    sem.close()
+
+
+@pytest.fixture
+def sem_prefix():
+    """A fresh prefix for test-owned semaphores; unlinks ``.arrived`` and ``.go`` afterwards."""
+    prefix = f"/sdbitest_{os.getpid()}_{secrets.token_hex(3)}"
+    sems = [posix_ipc.Semaphore(prefix + s, posix_ipc.O_CREX, initial_value=0) for s in (".arrived", ".go")]
+    yield prefix, sems[0], sems[1]
+    for s in sems:
+        s.unlink()
+        s.close()
+
+
+def cpu_model(name: str, factory, **kw) -> ModelConfig:
+    kw.setdefault("device", "cpu")
+    kw.setdefault("num_threads", 1)
+    return ModelConfig(name=name, factory=factory, **kw)

@@ -1,0 +1,123 @@
+"""Model factories for the tests. Module-level so spawned model processes can unpickle them."""
+from __future__ import annotations
+
+import faulthandler
+import os
+
+import posix_ipc
+import torch
+from torch import nn
+
+GATE = -1000.0        # an input holding this value blocks in forward until the test opens the gate
+RAISE = -7.0          # ... makes forward raise ValueError
+WRONG_ROWS = -8.0     # ... makes forward return one row too few
+NOT_A_TENSOR = -9.0   # ... makes forward return a string
+SEGFAULT = -11.0      # ... crashes the model process
+
+
+class Affine(nn.Module):
+    """y = 2x + 1: any float shape in, same shape out; a crossed or lost result cannot pass."""
+
+    def forward(self, x):
+        return x * 2 + 1
+
+
+class Gated(nn.Module):
+    def __init__(self, gate_name: str):
+        super().__init__()
+        self.gate = posix_ipc.Semaphore(gate_name)
+
+    def forward(self, x):
+        if bool((x == GATE).any()):
+            self.gate.acquire(60)  # bounded: a broken test fails instead of hanging
+        return x * 2 + 1
+
+
+class Faulty(nn.Module):
+    def forward(self, x):
+        if bool((x == RAISE).any()):
+            raise ValueError("poisoned input")
+        if bool((x == WRONG_ROWS).any()):
+            return x[1:] if x.shape[0] > 1 else x[:0]
+        if bool((x == NOT_A_TENSOR).any()):
+            return "not a tensor"
+        if bool((x == SEGFAULT).any()):
+            faulthandler._sigsegv()
+        return x * 2 + 1
+
+
+class MultiIO(nn.Module):
+    """(a float32 [r, n], b int64 [r, m]) -> (a * 2, (b.sum(1) + a.sum(1)) as float64 [r, 1])."""
+
+    def forward(self, a, b):
+        total = b.sum(dim=1, keepdim=True).double() + a.sum(dim=1, keepdim=True).double()
+        return a * 2, total
+
+
+class ChannelMean(nn.Module):
+    """(r, c, h, w) -> (r, c): output size independent of the spatial size of the request."""
+
+    def forward(self, x):
+        return x.mean(dim=(2, 3))
+
+
+class Barrier(nn.Module):
+    """The first forward of each instance announces itself on ``<prefix>.arrived`` and blocks on
+    ``<prefix>.go`` until the test, having seen every instance arrive, opens it. Passes only if the
+    runtime really dispatches concurrent batches to several model processes. Outputs carry the pid."""
+
+    def __init__(self, prefix: str):
+        super().__init__()
+        self.arrived = posix_ipc.Semaphore(prefix + ".arrived")
+        self.go = posix_ipc.Semaphore(prefix + ".go")
+        self.first = True
+
+    def forward(self, x):
+        if self.first and bool((x != 0).all()):  # not for the warm-up or probe (zeros)
+            self.first = False
+            self.arrived.release()
+            self.go.acquire(60)
+        return torch.cat([x * 2 + 1, torch.full((x.shape[0], 1), float(os.getpid()))], dim=1)
+
+
+class Slow(nn.Module):
+    """Matrix products sized to take a while on a CPU: lets requests pile up under load."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.w = nn.Parameter(torch.randn(256, 256) / 16)
+
+    def forward(self, x):
+        y = x
+        for _ in range(20):
+            y = torch.tanh(y @ self.w)
+        return x * 2 + 1 + 0 * y[:, :1]
+
+
+def affine():
+    return Affine()
+
+
+def gated(gate_name: str):
+    return Gated(gate_name)
+
+
+def faulty():
+    return Faulty()
+
+
+def multi_io():
+    return MultiIO()
+
+
+def channel_mean():
+    return ChannelMean()
+
+
+def barrier(prefix: str):
+    return Barrier(prefix)
+
+
+def slow():
+    return Slow()

@@ -1,0 +1,172 @@
+"""Every caller gets exactly its own result: across processes, threads, shapes, models and dtypes."""
+from __future__ import annotations
+
+import functools
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from simpledbi import ModelConfig, Run, SharedModel
+
+from . import models, workers
+from .conftest import FAST, cpu_model
+
+
+@pytest.mark.timeout(120)
+def test_many_workers_each_get_their_own_results():
+    n_workers, n_requests = 12, 150
+    results = Run(target=workers.affine_worker, worker_num=n_workers, args=(n_requests, 4, 1234),
+                  models=[cpu_model("affine", models.affine, max_batch_size=16, model_num=2,
+                                    wait_time=0.002)], options=FAST)
+    assert results == [n_requests] * n_workers
+
+
+@pytest.mark.timeout(120)
+def test_requests_are_batched_under_load():
+    # A long wait_time: a batch closes only when full or when every attached client is pending.
+    stats = Run(target=workers.load_worker, worker_num=6, args=(40,),
+                models=[cpu_model("slow", models.slow, max_batch_size=6, wait_time=5.0)], options=FAST)
+    final = max(stats, key=lambda s: s["requests"])
+    assert final["mean_batch_size"] > 2.0, final
+    assert final["errors"] == 0
+
+
+def test_threads_sharing_one_handle_get_their_own_results(start_runtime):
+    rt = start_runtime(cpu_model("affine", models.affine, max_batch_size=8, wait_time=0.001))
+    model = SharedModel("affine", max_shape=(3, 4), namespace=rt.namespace)
+    errors = []
+
+    def run(seed):
+        rng = np.random.default_rng(seed)
+        try:
+            for _ in range(100):
+                x = rng.standard_normal((int(rng.integers(1, 4)), 4)).astype(np.float32)
+                np.testing.assert_array_equal(model.forward(x), x * 2 + 1)
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(s,)) for s in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads)
+    assert errors == []
+    assert model.stats()["requests"] >= 600
+    model.close()
+
+
+def test_torch_in_torch_out_numpy_in_numpy_out(start_runtime):
+    rt = start_runtime(cpu_model("affine", models.affine, max_batch_size=4))
+    with SharedModel("affine", max_shape=(2, 3), namespace=rt.namespace) as model:
+        t = torch.randn(2, 3)
+        y = model.forward(t)
+        assert isinstance(y, torch.Tensor) and torch.equal(y, t * 2 + 1)
+        a = np.arange(3, dtype=np.float32).reshape(1, 3)
+        z = model(a)
+        assert isinstance(z, np.ndarray) and np.array_equal(z, a * 2 + 1)
+        # outputs are the caller's own copies: the next call does not change them
+        model.forward(np.zeros((1, 3), np.float32))
+        assert np.array_equal(z, a * 2 + 1)
+
+
+def test_several_inputs_and_outputs_of_several_dtypes(start_runtime):
+    rt = start_runtime(cpu_model("multi", models.multi_io, max_batch_size=8, wait_time=0.001))
+    with SharedModel("multi", max_shape=[(4, 5), (4, 3)], dtype=["float32", "int64"],
+                     namespace=rt.namespace) as model:
+        rng = np.random.default_rng(0)
+        for rows in (1, 4, 2):
+            a = rng.standard_normal((rows, 5)).astype(np.float32)
+            b = rng.integers(-100, 100, (rows, 3))
+            doubled, total = model.forward(a, b)
+            assert doubled.dtype == np.float32 and total.dtype == np.float64
+            np.testing.assert_array_equal(doubled, a * 2)
+            np.testing.assert_allclose(total[:, 0], b.sum(1) + a.astype(np.float64).sum(1), rtol=1e-6)
+
+
+def test_dynamic_item_shapes(start_runtime):
+    rt = start_runtime(cpu_model("mean", models.channel_mean, max_batch_size=8, wait_time=0.001),
+                       cpu_model("affine", models.affine, max_batch_size=8, wait_time=0.001))
+    mean = SharedModel("mean", max_shape=(2, 3, 16, 16), namespace=rt.namespace)
+    same = SharedModel("affine", max_shape=(2, 3, 16, 16), namespace=rt.namespace)
+    rng = np.random.default_rng(1)
+    for h, w in [(16, 16), (5, 9), (1, 1), (16, 3)]:
+        x = rng.standard_normal((2, 3, h, w)).astype(np.float32)
+        np.testing.assert_allclose(mean.forward(x), x.mean(axis=(2, 3)), rtol=1e-5, atol=1e-6)
+        np.testing.assert_array_equal(same.forward(x), x * 2 + 1)
+    mean.close()
+    same.close()
+
+
+@pytest.mark.timeout(120)
+def test_concurrent_requests_of_different_shapes_are_not_mixed():
+    assert Run(target=workers.mixed_shape_worker, worker_num=6,
+               models=[cpu_model("affine", models.affine, max_batch_size=8, model_num=2,
+                                 wait_time=0.003)], options=FAST) == [True] * 6
+
+
+@pytest.mark.timeout(120)
+def test_two_models_in_one_run():
+    out = Run(target=workers.two_models_worker, worker_num=3,
+              models=[cpu_model("affine", models.affine, max_batch_size=4),
+                      cpu_model("mean", models.channel_mean, max_batch_size=4)], options=FAST)
+    assert len(out) == 3 and all(a >= 20 and m >= 20 for a, m in out)
+
+
+def test_model_num_2_serves_two_batches_at_once(start_runtime, sem_prefix):
+    prefix, arrived, go = sem_prefix
+    rt = start_runtime(cpu_model("bar", functools.partial(models.barrier, prefix), max_batch_size=2,
+                                 model_num=2, wait_time=0.0))
+    model = SharedModel("bar", max_shape=(1, 3), namespace=rt.namespace)
+    results, errors = {}, []
+
+    def call(i):
+        try:
+            x = np.full((1, 3), i + 1, np.float32)
+            results[i] = model.forward(x, timeout=60)
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    # Both instances must hold a batch at the same time before either may finish.
+    arrived.acquire(60)
+    arrived.acquire(60)
+    go.release()
+    go.release()
+    for t in threads:
+        t.join(60)
+    assert errors == [] and len(results) == 4
+    for i, y in results.items():
+        np.testing.assert_array_equal(y[:, :3], np.full((1, 3), (i + 1) * 2 + 1, np.float32))
+    assert len({int(y[0, 3]) for y in results.values()}) == 2  # served by two processes
+    model.close()
+
+
+def test_client_with_an_unseen_max_shape_learns_the_output_shapes(start_runtime):
+    # input_shapes makes the model publish its output spec at warm-up; another shape probes.
+    rt = start_runtime(cpu_model("mean", models.channel_mean, max_batch_size=4,
+                                 input_shapes=[(3, 8, 8)]))
+    with SharedModel("mean", max_shape=(1, 3, 8, 8), namespace=rt.namespace) as warm:
+        assert warm.stats()["requests"] == 0  # no probe needed
+        probed = SharedModel("mean", max_shape=(2, 5, 4, 4), namespace=rt.namespace)
+        assert warm.stats()["requests"] == 1  # one probe request
+        x = np.ones((2, 5, 4, 4), np.float32)
+        np.testing.assert_array_equal(probed.forward(x), np.ones((2, 5), np.float32))
+        np.testing.assert_array_equal(warm.forward(np.ones((1, 3, 8, 8), np.float32)), np.ones((1, 3)))
+        probed.close()
+
+
+def test_torchscript_and_torch_export_files(start_runtime, tmp_path):
+    import fake_resnet50
+    paths = fake_resnet50.export(str(tmp_path), "both", tiny=True, name="tiny")
+    rt = start_runtime(*(ModelConfig(name=f"m{i}", path=p, max_batch_size=2, device="cpu", num_threads=1)
+                         for i, p in enumerate(paths)))
+    x = np.random.default_rng(0).standard_normal((2, 3, 224, 224)).astype(np.float32)
+    ref = fake_resnet50.build_tiny()(torch.from_numpy(x)).detach().numpy()
+    for i in range(len(paths)):
+        with SharedModel(f"m{i}", max_shape=(2, 3, 224, 224), namespace=rt.namespace) as model:
+            np.testing.assert_allclose(model.forward(x), ref, rtol=1e-4, atol=1e-4)

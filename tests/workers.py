@@ -1,0 +1,49 @@
+"""Worker targets for Run-based tests. No torch import here: 12 spawned workers importing torch
+on a 2-core machine would cost more than the tests themselves."""
+from __future__ import annotations
+
+import numpy as np
+
+from simpledbi import SharedModel
+
+
+def affine_worker(rank, n_requests, max_rows, seed):
+    model = SharedModel("affine", max_shape=(max_rows, 6, 5))
+    rng = np.random.default_rng(seed + rank)
+    for i in range(n_requests):
+        rows = int(rng.integers(1, max_rows + 1))
+        x = rng.standard_normal((rows, 6, 5)).astype(np.float32)
+        y = model.forward(x)
+        if y.shape != x.shape or not np.array_equal(y, x * 2 + 1):
+            raise AssertionError(f"worker {rank} request {i}: wrong result")
+    return n_requests
+
+
+def load_worker(rank, n_requests):
+    model = SharedModel("slow", max_shape=(1, 256))
+    rng = np.random.default_rng(rank)
+    for _ in range(n_requests):
+        x = rng.standard_normal((1, 256)).astype(np.float32)
+        np.testing.assert_allclose(model.forward(x), x * 2 + 1, rtol=1e-6)
+    return model.stats()
+
+
+def mixed_shape_worker(rank):
+    model = SharedModel("affine", max_shape=(2, 8, 8))
+    rng = np.random.default_rng(rank)
+    for _ in range(60):
+        h, w = (int(v) for v in rng.integers(1, 9, 2))
+        x = rng.standard_normal((int(rng.integers(1, 3)), h, w)).astype(np.float32)
+        np.testing.assert_array_equal(model.forward(x), x * 2 + 1)
+    return True
+
+
+def two_models_worker(rank):
+    a = SharedModel("affine", max_shape=(1, 4))
+    m = SharedModel("mean", max_shape=(1, 2, 3, 3))
+    x = np.full((1, 4), rank, np.float32)
+    img = np.full((1, 2, 3, 3), rank, np.float32)
+    for _ in range(20):
+        np.testing.assert_array_equal(a.forward(x), x * 2 + 1)
+        np.testing.assert_allclose(m.forward(img), np.full((1, 2), rank, np.float32))
+    return a.stats()["requests"], m.stats()["requests"]
