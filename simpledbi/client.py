@@ -25,7 +25,7 @@ from .shm import Segment, create_semaphore, list_namespace, open_semaphore, unli
 from .slots import (
     BROKEN, DATA_OFFSET, DESC_WORDS, F_DONE, F_PUBLISH, FLAG_PROBE, FREE, I_PID, I_STATE, IDLE,
     INST_READY, MAX_IO, MAX_NDIM, N_SPEC, P_DESC, P_NOUT, P_OUT_BYTES, P_SEQ, P_STATUS, P_TUPLE,
-    PUBLISHED, R_DESC, R_FLAGS, R_NIN, R_ROWS, R_SEQ, ST_BAD_REQUEST, ST_MODEL_ERROR, ST_OK,
+    NEW, PUBLISHED, R_DESC, R_FLAGS, R_NIN, R_ROWS, R_SEQ, ST_BAD_REQUEST, ST_MODEL_ERROR, ST_OK,
     ST_STOPPED, STOPPING, CLAIMED, DONE, H_MAX_BATCH, T_ATTACHED, T_CLAIMER, T_GEN, T_KEY, T_OWNER,
     T_ROWS, T_SEQ, T_STATE, ControlBlock, SlotViews, align, code_dtype, ctl_name, desc_view,
     doorbell_name, dtype_code, read_desc, sem_name, shape_key, slot_name, write_desc,
@@ -272,7 +272,7 @@ class _Slot:
             self._out_views = {}   # (j, dtype code, shape) -> view of the output region
             self._keys = {}        # (item shapes, flags) -> batching key
             table[T_OWNER, self.index] = self.pid
-            table[T_STATE, self.index] = IDLE
+            table[T_STATE, self.index] = NEW
             table[T_GEN, self.index] = self.gen
             table[T_ATTACHED, self.index] = 1
             self._setup_outputs(client, ns, name)
@@ -307,7 +307,7 @@ class _Slot:
             spec = (int(w[P_NOUT]), bool(w[P_TUPLE]),
                     [read_desc(desc_view(w, P_DESC, j)) for j in range(int(w[P_NOUT]))])
             spec = (spec[0], spec[1], [(dt, shp[1:]) for dt, shp, _, _ in spec[2]])
-            self.ctl.table[T_STATE, self.index] = IDLE
+            self.ctl.table[T_STATE, self.index] = NEW
         n_out, self.is_tuple, outs = spec
         self.n_out = n_out
         size, w = 0, self.views.words

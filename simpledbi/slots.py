@@ -26,9 +26,13 @@ between), so the client side needs no lock and nothing is ever held across a cra
 
 Slot states (hint)::
 
-    FREE --attach--> IDLE --publish--> PUBLISHED --claim--> CLAIMED --respond--> DONE --read--> IDLE
-                               ^            | withdraw (timeout before a claim)
-                               +------------+
+    FREE --attach--> NEW --publish--> PUBLISHED --claim--> CLAIMED --respond--> DONE --read--> IDLE
+                                ^            | withdraw (timeout before a claim)        |
+                                +------------+-------------<--publish---------------------+
+
+A batch waits for more requests only while some client is IDLE or DONE (it has sent before and
+may send again). A NEW client -- attached, never used, like the slot of the thread that built a
+SharedModel and then handed it to others -- does not hold batches back.
 
 A client that times out after its request was claimed keeps the slot "stale" and drains the
 late response (checked by sequence number) before its next request, so a late result can never
@@ -50,7 +54,7 @@ MAX_NDIM = 8
 DESC_WORDS = 4 + MAX_NDIM  # dtype code, ndim, offset, capacity, dims[MAX_NDIM]
 
 # slot states (hint, see NOTE [slot protocol])
-FREE, IDLE, PUBLISHED, CLAIMED, DONE = 0, 1, 2, 3, 4
+FREE, IDLE, PUBLISHED, CLAIMED, DONE, NEW = 0, 1, 2, 3, 4, 5
 # control block states
 STARTING, RUNNING, STOPPING, BROKEN = 0, 1, 2, 3
 # instance states

@@ -37,14 +37,32 @@ def start_runtime():
         yield start
 
 
+class Gate:
+    """Two named semaphores: a Gated model posts ``entered`` when a gated request reaches its
+    forward pass, then blocks until the test calls :meth:`open`."""
+
+    def __init__(self):
+        self.name = f"/sdbitest_{os.getpid()}_{secrets.token_hex(3)}.gate"
+        self._gate = posix_ipc.Semaphore(self.name, posix_ipc.O_CREX, initial_value=0)
+        self._entered = posix_ipc.Semaphore(self.name + ".in", posix_ipc.O_CREX, initial_value=0)
+
+    def wait_entered(self, timeout: float = 30.0) -> None:
+        self._entered.acquire(timeout)
+
+    def open(self) -> None:
+        self._gate.release()
+
+    def close(self) -> None:
+        for sem in (self._gate, self._entered):
+            sem.unlink()
+            sem.close()
+
+
 @pytest.fixture
 def gate():
-    """A named semaphore the test opens to let a Gated model proceed."""
-    name = f"/sdbitest_{os.getpid()}_{secrets.token_hex(3)}.gate"
-    sem = posix_ipc.Semaphore(name, posix_ipc.O_CREX, initial_value=0)
-    yield sem
-    sem.unlink()
-    sem.close()
+    g = Gate()
+    yield g
+    g.close()
 
 
 @pytest.fixture

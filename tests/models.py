@@ -26,15 +26,24 @@ class Gated(nn.Module):
     def __init__(self, gate_name: str):
         super().__init__()
         self.gate = posix_ipc.Semaphore(gate_name)
+        self.entered = posix_ipc.Semaphore(gate_name + ".in")
 
     def forward(self, x):
         if bool((x == GATE).any()):
+            self.entered.release()
             self.gate.acquire(60)  # bounded: a broken test fails instead of hanging
         return x * 2 + 1
 
 
-class Faulty(nn.Module):
+class Faulty(Gated):
+    def __init__(self, gate_name: str = ""):
+        nn.Module.__init__(self)
+        if gate_name:
+            Gated.__init__(self, gate_name)
+
     def forward(self, x):
+        if bool((x == GATE).any()):
+            return Gated.forward(self, x)
         if bool((x == RAISE).any()):
             raise ValueError("poisoned input")
         if bool((x == WRONG_ROWS).any()):
@@ -103,8 +112,8 @@ def gated(gate_name: str):
     return Gated(gate_name)
 
 
-def faulty():
-    return Faulty()
+def faulty(gate_name: str = ""):
+    return Faulty(gate_name)
 
 
 def multi_io():

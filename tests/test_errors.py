@@ -1,0 +1,178 @@
+"""Bad input, model failures and timeouts: a clear exception in the caller, the runtime unharmed."""
+from __future__ import annotations
+
+import functools
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from simpledbi import ModelConfig, ModelError, SharedModel
+from simpledbi.errors import RemoteTraceback
+from simpledbi.slots import PUBLISHED, T_STATE
+
+from . import models
+from .conftest import cpu_model
+
+
+@pytest.fixture
+def affine(start_runtime):
+    rt = start_runtime(cpu_model("affine", models.affine, max_batch_size=4, wait_time=0.001))
+    model = SharedModel("affine", max_shape=(2, 3, 4), namespace=rt.namespace)
+    yield model
+    model.close()
+
+
+def _healthy(model):
+    x = np.ones((2, 3, 4), np.float32)
+    np.testing.assert_array_equal(model.forward(x), x * 2 + 1)
+
+
+@pytest.mark.parametrize("bad,exc,words", [
+    (np.zeros((3, 3, 4), np.float32), ValueError, ["1..2 rows", "got 3"]),
+    (np.zeros((0, 3, 4), np.float32), ValueError, ["1..2 rows", "got 0"]),
+    (np.zeros((1, 3, 5), np.float32), ValueError, ["dimension 2 is 5", "1..4"]),
+    (np.zeros((1, 3), np.float32), ValueError, ["expected 3 dimensions", "(1, 3)"]),
+    (np.zeros((1, 3, 4), np.float64), TypeError, ["expected dtype float32", "got float64"]),
+    (torch.zeros((1, 3, 4), dtype=torch.int32), TypeError, ["expected dtype float32", "got int32"]),
+    ([[0.0] * 4] * 3, TypeError, ["numpy array or a torch tensor", "got list"]),
+])
+def test_bad_input_is_refused_before_anything_is_sent(affine, bad, exc, words):
+    before = affine.stats()["requests"]
+    with pytest.raises(exc) as info:
+        affine.forward(bad)
+    for w in words:
+        assert w in str(info.value)
+    assert affine.stats()["requests"] == before
+    _healthy(affine)
+
+
+def test_wrong_number_of_inputs(affine):
+    x = np.zeros((1, 3, 4), np.float32)
+    with pytest.raises(TypeError, match=r"expected 1 input\(s\).*got 2"):
+        affine.forward(x, x)
+    with pytest.raises(TypeError, match=r"got 0"):
+        affine.forward()
+    _healthy(affine)
+
+
+def test_unknown_model_name_lists_the_available_ones(affine):
+    with pytest.raises(LookupError, match=r"no model named 'nope'.*\['affine'\]"):
+        SharedModel("nope", max_shape=(1, 3), namespace=affine.namespace)
+
+
+def test_no_runtime_at_all(monkeypatch):
+    monkeypatch.delenv("SIMPLEDBI_NAMESPACE", raising=False)
+    with pytest.raises(LookupError, match="no simpledbi runtime"):
+        SharedModel("affine", max_shape=(1, 3))
+
+
+def test_max_batch_size_smaller_than_the_clients_rows(affine):
+    with pytest.raises(ValueError, match=r"5 rows.*max_batch_size=4"):
+        SharedModel("affine", max_shape=(5, 3, 4), namespace=affine.namespace)
+
+
+@pytest.mark.parametrize("shape,exc", [("abc", TypeError), ((1, 0, 3), ValueError), ((), TypeError),
+                                       ([(1, 2), (2, 2)], ValueError)])
+def test_bad_max_shape(affine, shape, exc):
+    with pytest.raises(exc, match="max_shape"):
+        SharedModel("affine", max_shape=shape, namespace=affine.namespace)
+
+
+def test_bad_timeout_value(affine):
+    with pytest.raises(ValueError, match="timeout"):
+        affine.forward(np.zeros((1, 3, 4), np.float32), timeout=-1)
+
+
+def test_model_exception_reaches_the_caller_with_its_traceback(start_runtime):
+    rt = start_runtime(cpu_model("faulty", models.faulty, max_batch_size=4))
+    with SharedModel("faulty", max_shape=(2, 3), namespace=rt.namespace) as model:
+        x = np.full((1, 3), models.RAISE, np.float32)
+        with pytest.raises(ModelError) as info:
+            model.forward(x)
+        err = info.value
+        assert err.remote_type == "ValueError"
+        assert "poisoned input" in str(err)
+        assert isinstance(err.__cause__, RemoteTraceback)
+        assert 'raise ValueError("poisoned input")' in err.remote_traceback
+        y = np.ones((2, 3), np.float32)
+        np.testing.assert_array_equal(model.forward(y), y * 2 + 1)  # the runtime is still up
+        with pytest.raises(ModelError, match=r"expected 2 rows.*got 1"):
+            model.forward(np.full((2, 3), models.WRONG_ROWS, np.float32))
+        with pytest.raises(ModelError, match=r"tensor or a tuple/list of tensors, got str"):
+            model.forward(np.full((1, 3), models.NOT_A_TENSOR, np.float32))
+        np.testing.assert_array_equal(model.forward(y), y * 2 + 1)
+        assert model.stats()["errors"] == 3
+
+
+def test_every_caller_of_a_failed_batch_gets_the_error(start_runtime, gate):
+    rt = start_runtime(cpu_model("faulty", functools.partial(models.faulty, gate.name),
+                                 max_batch_size=4, wait_time=30.0))
+    model = SharedModel("faulty", max_shape=(1, 3), namespace=rt.namespace)
+    outcomes = {}
+
+    def call(i, value):
+        try:
+            outcomes[i] = model.forward(np.full((1, 3), value, np.float32), timeout=60)
+        except ModelError as e:
+            outcomes[i] = e
+
+    blocker = threading.Thread(target=call, args=("blocker", models.GATE))
+    blocker.start()
+    gate.wait_entered()  # the only model process is busy: the next four requests queue up
+    threads = [threading.Thread(target=call, args=(i, models.RAISE if i == 0 else float(i)))
+               for i in range(4)]
+    for t in threads:
+        t.start()
+    table = model.ctl.table
+    deadline = time.monotonic() + 30
+    while np.count_nonzero(table[T_STATE] == PUBLISHED) < 4 and time.monotonic() < deadline:
+        threading.Event().wait(0.005)  # a bounded wait on a shared-memory condition
+    batches = model.stats()["batches"]
+    gate.open()
+    for t in threads + [blocker]:
+        t.join(60)
+    # The four queued requests fill one batch (max_batch_size=4), poisoned by request 0.
+    assert len(outcomes) == 5 and not isinstance(outcomes.pop("blocker"), Exception)
+    assert all(isinstance(v, ModelError) for v in outcomes.values()), outcomes
+    assert model.stats()["batches"] == batches + 2  # the gated batch, then the poisoned one
+    model.close()
+
+
+def test_timeout_before_any_model_process_took_the_request(start_runtime, gate):
+    rt = start_runtime(cpu_model("gated", functools.partial(models.gated, gate.name), max_batch_size=1))
+    blocker = SharedModel("gated", max_shape=(1, 2), namespace=rt.namespace)
+    late = SharedModel("gated", max_shape=(1, 2), namespace=rt.namespace)
+    result = {}
+    t = threading.Thread(target=lambda: result.setdefault(
+        "y", blocker.forward(np.full((1, 2), models.GATE, np.float32), timeout=60)))
+    t.start()
+    gate.wait_entered()  # the only model process is now held: this request cannot be taken
+    with pytest.raises(TimeoutError, match="withdrawn"):
+        late.forward(np.ones((1, 2), np.float32), timeout=0.2)
+    gate.open()
+    t.join(60)
+    np.testing.assert_array_equal(result["y"], np.full((1, 2), models.GATE * 2 + 1, np.float32))
+    x = np.full((1, 2), 3.0, np.float32)
+    np.testing.assert_array_equal(late.forward(x), x * 2 + 1)
+    blocker.close()
+    late.close()
+
+
+def test_late_result_is_never_returned_to_a_later_call(start_runtime, gate):
+    rt = start_runtime(cpu_model("gated", functools.partial(models.gated, gate.name), max_batch_size=1))
+    with SharedModel("gated", max_shape=(1, 2), namespace=rt.namespace) as model:
+        with pytest.raises(TimeoutError, match="being computed"):
+            model.forward(np.full((1, 2), models.GATE, np.float32), timeout=0.3)
+        gate.open()  # the late result arrives now, and must be dropped
+        x = np.full((1, 2), 5.0, np.float32)
+        np.testing.assert_array_equal(model.forward(x, timeout=30), x * 2 + 1)
+        np.testing.assert_array_equal(model.forward(x + 1), x * 2 + 3)
+
+
+def test_model_that_fails_to_load_is_reported(start_runtime, tmp_path):
+    missing = str(tmp_path / "missing.pt")
+    with pytest.raises(ModelError, match=r"failed to load.*missing\.pt"):
+        start_runtime(ModelConfig(name="m", path=missing, device="cpu"))
