@@ -21,7 +21,7 @@ import posix_ipc
 
 from . import stats as _stats
 from .errors import ModelError, ModelProcessDied, RuntimeStopped
-from .shm import Segment, create_semaphore, list_namespace, open_semaphore, unlink_sem
+from .shm import Segment, create_semaphore, list_namespace, open_semaphore, pid_alive, unlink_sem
 from .slots import (
     BROKEN, DATA_OFFSET, DESC_WORDS, F_DONE, F_PUBLISH, FLAG_PROBE, FREE, I_PID, I_STATE, IDLE,
     INST_READY, MAX_IO, MAX_NDIM, N_SPEC, P_DESC, P_NOUT, P_OUT_BYTES, P_SEQ, P_STATUS, P_TUPLE,
@@ -242,6 +242,10 @@ class _Slot:
         self.name, self.namespace = client.name, client.namespace
         self.poll_interval, self.doorbell = client.poll_interval, client.doorbell
         self.pid = os.getpid()
+        # close() may come from another thread while this slot's thread waits inside a call:
+        # then the detach is left to that thread (closing a semaphore under a waiter crashes).
+        self._guard = threading.Lock()
+        self._busy = self._detach_pending = False
         self.ctl = client.ctl
         ns, name = client.namespace, client.name
         self.index, self.ready = self._take_index(ns, name)
@@ -336,6 +340,20 @@ class _Slot:
 
     # ------------------------------------------------------------ request path
     def call(self, arrays: List[np.ndarray], timeout: Optional[float]):
+        with self._guard:
+            if self.ready is None or self._detach_pending:
+                raise RuntimeStopped(f"SharedModel({self.name!r}) is closed")
+            self._busy = True
+        try:
+            return self._call(arrays, timeout)
+        finally:
+            with self._guard:
+                self._busy = False
+                pending = self._detach_pending
+            if pending:
+                self._detach_now()
+
+    def _call(self, arrays: List[np.ndarray], timeout: Optional[float]):
         deadline = None if timeout is None else time.monotonic() + timeout
         if self.stale_seq:
             self._await(self.stale_seq, deadline)  # drain the late answer of a timed-out call
@@ -444,11 +462,11 @@ class _Slot:
         if table[T_STATE, self.index] == CLAIMED:
             claimer = int(table[T_CLAIMER, self.index])
             pid = int(ctl.instances[claimer, I_PID])
-            if pid and not _pid_alive(pid):
+            if pid and not pid_alive(pid):
                 raise ModelProcessDied(f"model {self.name!r}: model process {claimer} "
                                        f"(pid {pid}) died while computing this request")
         pids = [int(p) for p in ctl.instances[:, I_PID] if p]
-        if pids and not any(_pid_alive(p) for p in pids):
+        if pids and not any(pid_alive(p) for p in pids):
             raise ModelProcessDied(f"model {self.name!r}: no model process is alive")
         if ctl.state == STOPPING and table[T_STATE, self.index] != CLAIMED:
             self._raise_runtime_state()
@@ -476,6 +494,13 @@ class _Slot:
 
     def detach(self) -> None:
         """Give the slot back and remove its shared memory (only this slot's creator does this)."""
+        with self._guard:
+            if self._busy:
+                self._detach_pending = True
+                return
+        self._detach_now()
+
+    def _detach_now(self) -> None:
         ns, name = self.namespace, self.name
         try:
             if self.ready is not None:
@@ -508,13 +533,3 @@ class _Slot:
                 self.doorbell.release()
             except Exception:  # noqa: BLE001 - the runtime is already gone
                 pass
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

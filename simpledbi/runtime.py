@@ -31,7 +31,7 @@ from .errors import ModelError, ModelProcessDied, SimpleDBIError, WorkerError
 from .janitor import janitor_main
 from .model_process import ModelProcessSpec, model_process_main
 from .shm import (
-    check_free_space, create_semaphore, new_namespace, open_semaphore, sweep_dead_namespaces,
+    check_free_space, create_semaphore, new_namespace, open_semaphore, pid_alive, sweep_dead_namespaces,
     sweep_namespace, unlink_sem, unlink_shm,
 )
 from .slots import (
@@ -271,7 +271,7 @@ class Runtime:
             table = ctl.table
             for slot in map(int, (table[T_ATTACHED] != 0).nonzero()[0]):
                 pid = int(table[T_OWNER, slot])
-                if pid and not _pid_alive(pid):
+                if pid and not pid_alive(pid):
                     gen = int(table[T_GEN, slot])
                     table[T_ATTACHED, slot] = 0
                     table[T_STATE, slot] = FREE
@@ -349,16 +349,6 @@ class Runtime:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _raise_exit(signum, frame):

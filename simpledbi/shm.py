@@ -161,14 +161,19 @@ def sweep_namespace(namespace: str, shm_dir: str = SHM_DIR) -> int:
     return removed
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """True while process ``pid`` exists and is not a zombie (a killed child nobody reaped yet)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
+    except (OSError, IndexError):
+        return True
 
 
 def sweep_dead_namespaces(shm_dir: str = SHM_DIR) -> int:
@@ -182,6 +187,6 @@ def sweep_dead_namespaces(shm_dir: str = SHM_DIR) -> int:
         base = e[4:] if e.startswith("sem.") else e
         ns = base.split(".", 1)[0]
         m = _NS_RE.match(ns)
-        if m and not _pid_alive(int(m.group(1))):
+        if m and not pid_alive(int(m.group(1))):
             spaces.add(ns)
     return sum(sweep_namespace(ns, shm_dir) for ns in spaces)

@@ -1,0 +1,63 @@
+"""A small application run as a separate process by test_lifecycle.py.
+
+    python -m tests.apps.app MODE
+
+MODE: ok | worker_raises | worker_dies | busy (loops until signalled; prints READY <janitor pid>)
+| model_dies (the model process segfaults mid-request)
+"""
+import os
+import sys
+
+import numpy as np
+
+from simpledbi import ModelConfig, ModelProcessDied, Run, RuntimeOptions, SharedModel, WorkerError
+
+
+def affine():
+    from tests.models import Affine
+    return Affine()
+
+
+def faulty():
+    from tests.models import Faulty
+    return Faulty()
+
+
+def worker(rank, mode):
+    model = SharedModel("m", max_shape=(2, 3))
+    x = np.full((2, 3), rank, np.float32)
+    if mode == "model_dies" and rank == 0:
+        model.forward(np.full((1, 3), -11.0, np.float32))  # SEGFAULT marker
+    for i in range(20 if mode != "busy" else 10**9):
+        np.testing.assert_array_equal(model.forward(x), x * 2 + 1)
+        if mode == "busy" and i == 0:
+            print("READY", flush=True)
+    if mode == "worker_raises" and rank == 1:
+        raise KeyError("worker one failed on purpose")
+    if mode == "worker_dies" and rank == 1:
+        os._exit(7)
+    return rank
+
+
+def main(mode):
+    factory = faulty if mode == "model_dies" else affine
+    cfg = ModelConfig(name="m", factory=factory, max_batch_size=4, model_num=2, wait_time=0.001,
+                      device="cpu", num_threads=1)
+    try:
+        out = Run(target=worker, worker_num=3, args=(mode,), models=[cfg],
+                  options=RuntimeOptions(poll_interval=0.05))
+        print("RESULT", out, flush=True)
+        return 0
+    except WorkerError as e:
+        print(f"WORKERERROR rank={e.rank} exitcode={e.exitcode} type={e.remote_type} msg={e}", flush=True)
+        return 3
+    except ModelProcessDied as e:
+        print(f"MODELDIED exitcode={e.exitcode} msg={e}", flush=True)
+        return 4
+    except KeyboardInterrupt:
+        print("INTERRUPTED", flush=True)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))

@@ -1,0 +1,153 @@
+"""Whole applications in their own process: exit paths, signals, dead children, and /dev/shm after."""
+from __future__ import annotations
+
+import functools
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from simpledbi import ModelProcessDied, SharedModel
+
+from . import models
+from .conftest import cpu_model, ours
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NOISE = ("Traceback", "leaked", "resource_tracker", "Warning", "Error")
+
+
+def _start(mode: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "tests.apps.app", mode], cwd=ROOT, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def _run(mode: str):
+    proc = _start(mode)
+    out, err = proc.communicate(timeout=90)
+    return proc, out, err
+
+
+def _wait_line(proc: subprocess.Popen, word: str, timeout: float = 60) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([proc.stdout], [], [], deadline - time.monotonic())
+        if ready:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            if line.startswith(word):
+                return line
+    proc.kill()
+    raise AssertionError(f"{word!r} never came: {proc.stderr.read()}")
+
+
+def _clean(err: str) -> bool:
+    return not any(word in err for word in NOISE)
+
+
+@pytest.mark.timeout(120)
+def test_normal_exit_is_clean():
+    proc, out, err = _run("ok")
+    assert proc.returncode == 0, err
+    assert "RESULT [0, 1, 2]" in out
+    assert _clean(err), err
+    assert ours(proc.pid) == []
+
+
+@pytest.mark.timeout(120)
+def test_worker_exception_is_reported_with_its_rank_and_type():
+    proc, out, err = _run("worker_raises")
+    assert proc.returncode == 3, err
+    assert "WORKERERROR rank=1" in out and "type=KeyError" in out and "failed on purpose" in out
+    assert "leaked" not in err and "resource_tracker" not in err
+    assert ours(proc.pid) == []
+
+
+@pytest.mark.timeout(120)
+def test_worker_that_dies_is_reported_with_its_exit_code():
+    proc, out, err = _run("worker_dies")
+    assert proc.returncode == 3, err
+    assert "WORKERERROR rank=1 exitcode=7" in out
+    assert ours(proc.pid) == []
+
+
+@pytest.mark.timeout(120)
+def test_model_process_crash_is_reported_not_waited_on():
+    proc, out, err = _run("model_dies")
+    assert proc.returncode == 4, err
+    assert "MODELDIED exitcode=-11" in out and "SIGSEGV" in out
+    assert "leaked" not in err and "resource_tracker" not in err
+    assert ours(proc.pid) == []
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("sig,code,word", [(signal.SIGINT, 130, "INTERRUPTED"), (signal.SIGTERM, 143, "")])
+def test_signal_to_the_main_process_cleans_up(sig, code, word):
+    proc = _start("busy")
+    _wait_line(proc, "READY")
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == code, err
+    assert word in out
+    assert _clean(err), err
+    assert ours(proc.pid) == []
+
+
+@pytest.mark.timeout(120)
+def test_sigkill_of_the_main_process_leaves_nothing_behind():
+    proc = _start("busy")
+    _wait_line(proc, "READY")
+    assert ours(proc.pid) != []
+    proc.kill()
+    proc.communicate(timeout=30)
+    # The janitor notices (pipe EOF), stops the children and unlinks; wait for that condition.
+    deadline = time.monotonic() + 30
+    while ours(proc.pid) and time.monotonic() < deadline:
+        threading.Event().wait(0.05)
+    assert ours(proc.pid) == []
+
+
+def test_client_waiting_on_a_killed_model_process_gets_an_error(start_runtime, gate):
+    rt = start_runtime(cpu_model("gated", functools.partial(models.gated, gate.name), max_batch_size=1))
+    with SharedModel("gated", max_shape=(1, 2), namespace=rt.namespace) as model:
+        errors = []
+        t = threading.Thread(target=lambda: _capture(errors, model.forward,
+                                                     np.full((1, 2), models.GATE, np.float32)))
+        t.start()
+        gate.wait_entered()
+        os.kill(rt.model_procs[0].proc.pid, signal.SIGKILL)
+        t.join(30)
+        assert not t.is_alive()
+        assert len(errors) == 1 and isinstance(errors[0], ModelProcessDied)
+        assert "died" in str(errors[0])
+
+
+def _capture(errors, fn, *args):
+    try:
+        fn(*args)
+    except BaseException as e:  # noqa: BLE001
+        errors.append(e)
+
+
+def _cpu_ticks(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])  # utime + stime
+
+
+def test_an_idle_runtime_costs_no_cpu(start_runtime):
+    rt = start_runtime(cpu_model("affine", models.affine, model_num=2))
+    with SharedModel("affine", max_shape=(1, 2), namespace=rt.namespace) as model:
+        model.forward(np.ones((1, 2), np.float32))
+        pids = [m.proc.pid for m in rt.model_procs]
+        before = [_cpu_ticks(p) for p in pids]
+        threading.Event().wait(1.0)  # measuring an interval, not synchronising
+        used = [_cpu_ticks(p) - b for p, b in zip(pids, before)]
+    hz = os.sysconf("SC_CLK_TCK")
+    assert all(u / hz < 0.05 for u in used), f"model processes used {used} ticks in 1 s idle"
