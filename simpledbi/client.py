@@ -23,7 +23,7 @@ from . import stats as _stats
 from .errors import ModelError, ModelProcessDied, RuntimeStopped
 from .shm import Segment, create_semaphore, list_namespace, open_semaphore, pid_alive, unlink_sem
 from .slots import (
-    BROKEN, DATA_OFFSET, DESC_WORDS, F_DONE, F_PUBLISH, FLAG_PROBE, FREE, I_PID, I_STATE, IDLE,
+    BROKEN, DATA_OFFSET, DESC_WORDS, F_BATCH_ROWS, F_CLOSE, F_DONE, F_PUBLISH, FLAG_PROBE, FREE, I_PID, I_STATE, IDLE,
     INST_READY, MAX_IO, MAX_NDIM, N_SPEC, P_DESC, P_NOUT, P_OUT_BYTES, P_SEQ, P_STATUS, P_TUPLE,
     NEW, PUBLISHED, R_DESC, R_FLAGS, R_NIN, R_ROWS, R_SEQ, ST_BAD_REQUEST, ST_MODEL_ERROR, ST_OK,
     ST_STOPPED, STOPPING, CLAIMED, DONE, H_MAX_BATCH, T_ATTACHED, T_CLAIMER, T_GEN, T_KEY, T_OWNER,
@@ -153,6 +153,12 @@ class SharedModel:
 
     __call__ = forward
 
+    def last_timing(self) -> dict:
+        """Where the calling thread's last request spent its time (seconds, ``time.monotonic``
+        clock): ``published``, ``batch_closed`` (its batch started), ``done`` (its result was
+        written), ``woken`` (this thread resumed), and ``batch_rows``."""
+        return self._slot().timing()
+
     def stats(self) -> dict:
         """Counters of the whole model (all its processes): requests, batches, mean_batch_size, ..."""
         return _stats.summarize(self.ctl)
@@ -270,6 +276,7 @@ class _Slot:
                 write_desc(desc_view(w, R_DESC, k), dtype_code(dt), s[1:], off, cap)
             self.seq = 0
             self.stale_seq = 0
+            self.woken = 0.0
             self._inputs = [(dt, off) for (off, _), dt in zip(offsets, client.dtypes)]
             self._codes = [dtype_code(dt) for dt in client.dtypes]
             self._in_views = {}    # (k, shape) -> view of the input region
@@ -439,9 +446,14 @@ class _Slot:
                         self.done.acquire(0)
                     except posix_ipc.BusyError:
                         pass
-                self.wake_latency = time.monotonic() - float(self.views.floats[F_DONE])
+                self.woken = time.monotonic()
                 return
             self._check_alive(seq)
+
+    def timing(self) -> dict:
+        f = self.views.floats
+        return {"published": float(f[F_PUBLISH]), "batch_closed": float(f[F_CLOSE]),
+                "done": float(f[F_DONE]), "woken": self.woken, "batch_rows": int(f[F_BATCH_ROWS])}
 
     def _on_timeout(self, seq: int):
         try:

@@ -1,0 +1,382 @@
+"""Throughput and latency of simpledbi against plain PyTorch, in one harness.
+
+    python benchmark.py --worker_num 128 --worker_batch 1 --max_batch_size 32 --model_num 3 --wait_time 0.01
+    python benchmark.py --no_dynamic_batch --worker_num 8 --worker_batch 1     # plain PyTorch
+    python benchmark.py --tiny --device cpu --duration 3 --warmup 1            # CPU smoke run
+
+Both modes use the same workers and the same clock: every worker holds ``worker_batch`` images,
+sends them in a closed loop and timestamps each call; all workers start together after warm-up,
+and only calls inside the measurement window count. ``--dynamic_batch`` (default): the workers call
+a ``SharedModel`` served by ``model_num`` model processes. ``--no_dynamic_batch``: each worker loads
+the model itself and loops numpy -> device -> forward -> numpy (plain PyTorch).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import multiprocessing as mp
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass
+from typing import List, Optional
+
+import numpy as np
+import posix_ipc
+
+from simpledbi import ModelConfig, Run, RuntimeOptions, SharedModel
+from simpledbi.shm import Segment, new_namespace
+from simpledbi.slots import B_FIELDS
+
+STAGES = ("queue_wait", "gather", "h2d", "forward", "d2h", "scatter", "runtime")
+
+
+@dataclass(frozen=True)
+class BenchSpec:
+    worker_num: int = 8
+    worker_batch: int = 1
+    max_batch_size: int = 32
+    model_num: int = 1
+    wait_time: float = 0.003
+    dynamic_batch: bool = True
+    duration: float = 10.0
+    warmup: float = 3.0
+    model_path: str = ""
+    device: str = "auto"
+    dtype: str = "float32"
+    image_size: int = 224
+    gather: str = "auto"
+    seed: int = 0
+
+
+# ---------------------------------------------------------------- start line for all workers
+class StartLine:
+    """Workers announce readiness; the main process releases them together and records when."""
+
+    def __init__(self, prefix: Optional[str] = None):
+        self.owner = prefix is None
+        self.prefix = prefix or new_namespace()
+        flags = posix_ipc.O_CREX if self.owner else 0
+        self.ready = posix_ipc.Semaphore(f"/{self.prefix}.ready", flags)
+        self.go = posix_ipc.Semaphore(f"/{self.prefix}.go", flags)
+        self.seg = Segment(f"/{self.prefix}.t", 64, create=self.owner)
+        self.t = self.seg.ndarray(0, np.float64, (1,))
+
+    def arrive_and_wait(self, timeout: float = 600) -> float:
+        self.ready.release()
+        self.go.acquire(timeout)
+        return float(self.t[0])
+
+    def release_all(self, n: int, timeout: float = 600) -> float:
+        for _ in range(n):
+            self.ready.acquire(timeout)
+        self.t[0] = time.monotonic()
+        for _ in range(n):
+            self.go.release()
+        return float(self.t[0])
+
+    def close(self):
+        self.t = None
+        self.seg.close()
+        for sem in (self.ready, self.go):
+            if self.owner:
+                sem.unlink()
+            sem.close()
+        if self.owner:
+            self.seg.unlink()
+
+
+def _inputs(spec: BenchSpec, rank: int) -> List[np.ndarray]:
+    rng = np.random.default_rng(spec.seed * 100003 + rank)
+    shape = (spec.worker_batch, 3, spec.image_size, spec.image_size)
+    return [rng.standard_normal(shape, dtype=np.float32).astype(spec.dtype) for _ in range(4)]
+
+
+def _loop(call, xs, start: StartLine, spec: BenchSpec, timing=None):
+    call(xs[0])  # first call outside the clock
+    t_go = start.arrive_and_wait()
+    end = t_go + spec.warmup + spec.duration
+    starts, ends, wakes = [], [], []
+    i = 0
+    now = time.monotonic()
+    while now < end:
+        call(xs[i & 3])
+        t1 = time.monotonic()
+        starts.append(now)
+        ends.append(t1)
+        if timing is not None:
+            tm = timing()
+            wakes.append(tm["woken"] - tm["done"])
+        now = t1
+        i += 1
+    return np.array(starts), np.array(ends), np.array(wakes)
+
+
+# ---------------------------------------------------------------- the two kinds of worker
+def dynamic_worker(rank: int, spec: BenchSpec, start_prefix: str):
+    start = StartLine(start_prefix)
+    try:
+        model = SharedModel("model", max_shape=(spec.worker_batch, 3, spec.image_size, spec.image_size),
+                            dtype=spec.dtype)
+        return _loop(model.forward, _inputs(spec, rank), start, spec, model.last_timing)
+    finally:
+        start.close()
+
+
+def plain_worker(rank: int, spec: BenchSpec, start_prefix: str, conn) -> None:
+    import torch
+    from simpledbi.engine import load_model, resolve_device
+    start = StartLine(start_prefix)
+    try:
+        device = resolve_device(spec.device)
+        torch.set_num_threads(1)
+        cfg = _model_config(spec)
+        model = load_model(cfg, device)
+        cast = {"float16": torch.float16}.get(spec.dtype)
+
+        def call(x):
+            t = torch.from_numpy(x).to(device)
+            if cast is not None:
+                t = t.to(cast)
+            return model(t).float().cpu().numpy()
+
+        with torch.inference_mode():
+            xs = _inputs(spec, rank)
+            for _ in range(3):
+                call(xs[0])
+            conn.send(_loop(call, xs, start, spec))
+    except BaseException as e:  # noqa: BLE001
+        conn.send(e)
+        raise
+    finally:
+        start.close()
+        conn.close()
+
+
+def _model_config(spec: BenchSpec) -> ModelConfig:
+    return ModelConfig(name="model", path=spec.model_path, max_batch_size=spec.max_batch_size,
+                       model_num=spec.model_num, wait_time=spec.wait_time, device=spec.device,
+                       input_shapes=[(3, spec.image_size, spec.image_size)], input_dtypes=[spec.dtype],
+                       precision=spec.dtype, gather=spec.gather,
+                       max_clients=max(64, spec.worker_num + 8))
+
+
+# ---------------------------------------------------------------- running one configuration
+def _progress(t_go_box, spec: BenchSpec, done: threading.Event, quiet: bool):
+    while not done.wait(1.0):
+        if quiet:
+            continue
+        if not t_go_box:
+            sys.stderr.write("\r  starting: loading models and workers ...        ")
+        else:
+            el = time.monotonic() - t_go_box[0]
+            if el < spec.warmup:
+                sys.stderr.write(f"\r  warm-up: {spec.warmup - el:5.1f} s left                  ")
+            else:
+                sys.stderr.write(f"\r  measuring: {max(0.0, spec.warmup + spec.duration - el):5.1f} s left          ")
+        sys.stderr.flush()
+    if not quiet:
+        sys.stderr.write("\r" + " " * 60 + "\r")
+
+
+def run_config(spec: BenchSpec, quiet: bool = False) -> dict:
+    """Run one configuration; returns its figures (see :func:`analyse`)."""
+    start = StartLine()
+    t_go_box: list = []
+    done = threading.Event()
+    threading.Thread(target=_progress, args=(t_go_box, spec, done, quiet), daemon=True).start()
+    releaser = threading.Thread(target=lambda: t_go_box.append(start.release_all(spec.worker_num)),
+                                daemon=True)
+    records = None
+    try:
+        if spec.dynamic_batch:
+            from simpledbi.runtime import Runtime
+            with Runtime([_model_config(spec)], RuntimeOptions()) as rt:
+                releaser.start()
+                results = rt.run_workers(dynamic_worker, spec.worker_num, (spec, start.prefix))
+                from simpledbi.stats import batch_records
+                records = batch_records(rt.ctls["model"])
+        else:
+            releaser.start()
+            results = _run_plain(spec, start.prefix)
+    finally:
+        done.set()
+        start.close()
+    releaser.join(5)
+    return analyse(spec, t_go_box[0], results, records)
+
+
+def _run_plain(spec: BenchSpec, prefix: str):
+    ctx = mp.get_context("spawn")
+    procs, conns = [], []
+    for rank in range(spec.worker_num):
+        a, b = ctx.Pipe(duplex=False)
+        p = ctx.Process(target=plain_worker, args=(rank, spec, prefix, b))
+        p.start()
+        b.close()
+        procs.append(p)
+        conns.append(a)
+    results = []
+    try:
+        for c in conns:
+            r = c.recv()
+            if isinstance(r, BaseException):
+                raise RuntimeError(f"a plain PyTorch worker failed: {r!r}")
+            results.append(r)
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return results
+
+
+def _pct(a, q):
+    return float(np.percentile(a, q)) if len(a) else float("nan")
+
+
+def analyse(spec: BenchSpec, t_go: float, results, records) -> dict:
+    w0, w1 = t_go + spec.warmup, t_go + spec.warmup + spec.duration
+    starts = np.concatenate([r[0] for r in results])
+    ends = np.concatenate([r[1] for r in results])
+    wakes = np.concatenate([r[2] for r in results]) if results and len(results[0]) > 2 else np.zeros(0)
+    finished = (ends >= w0) & (ends <= w1)
+    inside = (starts >= w0) & (ends <= w1)
+    lat = (ends - starts)[inside] * 1e3
+    out = {
+        "config": asdict(spec),
+        "mode": "dynamic" if spec.dynamic_batch else "plain",
+        "throughput": float(finished.sum()) * spec.worker_batch / spec.duration,
+        "requests": int(finished.sum()),
+        "latency_ms": {"mean": float(lat.mean()) if lat.size else float("nan"), "p50": _pct(lat, 50),
+                       "p90": _pct(lat, 90), "p99": _pct(lat, 99)},
+    }
+    if records is not None and len(records):
+        t = records[:, B_FIELDS.index("t_close")]
+        rec = records[(t >= w0) & (t <= w1)]
+        rows = rec[:, B_FIELDS.index("rows")].astype(int)
+        out["batches"] = int(len(rec))
+        out["mean_batch_size"] = float(rows.mean()) if len(rows) else 0.0
+        hist = np.bincount(rows, minlength=spec.max_batch_size + 1)[1:]
+        out["batch_size_histogram"] = {str(i + 1): int(n) for i, n in enumerate(hist) if n}
+        out["per_batch_ms"] = {s: {"mean": float(rec[:, B_FIELDS.index(s)].mean() * 1e3) if len(rec) else 0.0,
+                                   "p50": _pct(rec[:, B_FIELDS.index(s)] * 1e3, 50)} for s in STAGES}
+        wk = wakes[np.isfinite(wakes) & (wakes >= 0)] * 1e3
+        out["wake_ms"] = {"mean": float(wk.mean()) if wk.size else 0.0, "p50": _pct(wk, 50)}
+    return out
+
+
+# ---------------------------------------------------------------- CUDA MPS
+@contextlib.contextmanager
+def mps_daemon(enabled: bool):
+    """Start a private CUDA MPS control daemon for the run and always quit it afterwards."""
+    if not enabled:
+        yield None
+        return
+    control = shutil.which("nvidia-cuda-mps-control")
+    if control is None:
+        raise RuntimeError("--mps: nvidia-cuda-mps-control is not on PATH")
+    root = tempfile.mkdtemp(prefix="sdbi_mps_")
+    env = dict(os.environ, CUDA_MPS_PIPE_DIRECTORY=os.path.join(root, "pipe"),
+               CUDA_MPS_LOG_DIRECTORY=os.path.join(root, "log"))
+    os.makedirs(env["CUDA_MPS_PIPE_DIRECTORY"])
+    os.makedirs(env["CUDA_MPS_LOG_DIRECTORY"])
+    subprocess.run([control, "-d"], env=env, check=True)
+    saved = {k: os.environ.get(k) for k in ("CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY")}
+    os.environ.update({k: env[k] for k in saved})
+    try:
+        yield root
+    finally:
+        subprocess.run([control], input=b"quit\n", env=env, timeout=60)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        shutil.rmtree(root, ignore_errors=True)
+
+
+# ---------------------------------------------------------------- report
+def format_report(r: dict, baseline: Optional[dict] = None) -> str:
+    c = r["config"]
+    lines = [f"{r['mode']:8s} workers={c['worker_num']} x batch {c['worker_batch']}"
+             + (f", max_batch={c['max_batch_size']} model_num={c['model_num']} wait={c['wait_time']}"
+                if r["mode"] == "dynamic" else "") + f", device={c['device']} dtype={c['dtype']}",
+             f"  throughput   {r['throughput']:10.1f} images/s   ({r['requests']} requests in {c['duration']} s)",
+             "  latency ms   mean {mean:.2f}  p50 {p50:.2f}  p90 {p90:.2f}  p99 {p99:.2f}".format(**r["latency_ms"])]
+    if baseline:
+        lines.append(f"  vs plain     {r['throughput'] / baseline['throughput']:.2f}x throughput")
+    if "batches" in r:
+        lines.append(f"  batches      {r['batches']}  mean size {r['mean_batch_size']:.2f}  "
+                     f"histogram {r['batch_size_histogram']}")
+        lines.append("  per batch    " + "  ".join(f"{s} {v['p50']:.3f}" for s, v in r["per_batch_ms"].items())
+                     + "   (ms, p50)")
+        lines.append(f"  wake-up      p50 {r['wake_ms']['p50']:.3f} ms (result written -> caller running)")
+    return "\n".join(lines)
+
+
+def ensure_model(path: str, tiny: bool) -> str:
+    if path:
+        return path
+    name = "tiny_resnet" if tiny else "resnet50"
+    path = os.path.join("models", f"{name}.pt")
+    if not os.path.exists(path):
+        import fake_resnet50
+        print(f"building {path} (first use) ...", file=sys.stderr)
+        fake_resnet50.export("models", "torchscript", tiny=tiny, name=name)
+    return path
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--worker_num", type=int, default=8)
+    ap.add_argument("--worker_batch", type=int, default=1)
+    ap.add_argument("--max_batch_size", type=int, default=32)
+    ap.add_argument("--model_num", type=int, default=1)
+    ap.add_argument("--wait_time", type=float, default=0.003, help="seconds")
+    ap.add_argument("--dynamic_batch", dest="dynamic_batch", action="store_true", default=True,
+                    help="serve through simpledbi (default)")
+    ap.add_argument("--no_dynamic_batch", dest="dynamic_batch", action="store_false",
+                    help="plain PyTorch: every worker runs its own model")
+    ap.add_argument("--duration", type=float, default=10.0, help="measurement window, seconds")
+    ap.add_argument("--warmup", type=float, default=3.0, help="seconds before the window")
+    ap.add_argument("--model_path", default="", help="TorchScript/.pt2 file (default: fake ResNet-50)")
+    ap.add_argument("--tiny", action="store_true", help="use the small test ResNet (CPU smoke runs)")
+    ap.add_argument("--image_size", type=int, default=224)
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", choices=("float32", "float16"), default="float32")
+    ap.add_argument("--gather", choices=("auto", "host", "device"), default="auto")
+    ap.add_argument("--mps", action="store_true", help="run under a private CUDA MPS daemon")
+    ap.add_argument("--json", default="", help="write all figures to this file")
+    ap.add_argument("--seed", type=int, default=0)
+    return ap.parse_args(argv)
+
+
+def spec_from_args(a) -> BenchSpec:
+    return BenchSpec(worker_num=a.worker_num, worker_batch=a.worker_batch, max_batch_size=a.max_batch_size,
+                     model_num=a.model_num, wait_time=a.wait_time, dynamic_batch=a.dynamic_batch,
+                     duration=a.duration, warmup=a.warmup, model_path=ensure_model(a.model_path, a.tiny),
+                     device=a.device, dtype=a.dtype, image_size=a.image_size, gather=a.gather, seed=a.seed)
+
+
+def main(argv=None):
+    a = parse_args(argv)
+    spec = spec_from_args(a)
+    with mps_daemon(a.mps):
+        result = run_config(spec)
+    result["mps"] = a.mps
+    print(format_report(result))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
