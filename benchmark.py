@@ -51,6 +51,7 @@ class BenchSpec:
     dtype: str = "float32"
     image_size: int = 224
     gather: str = "auto"
+    cuda_graphs: bool = False
     seed: int = 0
 
 
@@ -162,7 +163,7 @@ def _model_config(spec: BenchSpec) -> ModelConfig:
     return ModelConfig(name="model", path=spec.model_path, max_batch_size=spec.max_batch_size,
                        model_num=spec.model_num, wait_time=spec.wait_time, device=spec.device,
                        input_shapes=[(3, spec.image_size, spec.image_size)], input_dtypes=[spec.dtype],
-                       precision=spec.dtype, gather=spec.gather,
+                       precision=spec.dtype, gather=spec.gather, cuda_graphs=spec.cuda_graphs,
                        max_clients=max(64, spec.worker_num + 8))
 
 
@@ -307,7 +308,8 @@ def format_report(r: dict, baseline: Optional[dict] = None) -> str:
     c = r["config"]
     lines = [f"{r['mode']:8s} workers={c['worker_num']} x batch {c['worker_batch']}"
              + (f", max_batch={c['max_batch_size']} model_num={c['model_num']} wait={c['wait_time']}"
-                if r["mode"] == "dynamic" else "") + f", device={c['device']} dtype={c['dtype']}",
+                if r["mode"] == "dynamic" else "") + f", device={c['device']} dtype={c['dtype']}"
+             + (f" gather={c['gather']} cuda_graphs={c['cuda_graphs']}" if r["mode"] == "dynamic" else ""),
              f"  throughput   {r['throughput']:10.1f} images/s   ({r['requests']} requests in {c['duration']} s)",
              "  latency ms   mean {mean:.2f}  p50 {p50:.2f}  p90 {p90:.2f}  p99 {p99:.2f}".format(**r["latency_ms"])]
     if baseline:
@@ -352,6 +354,7 @@ def parse_args(argv=None):
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", choices=("float32", "float16"), default="float32")
     ap.add_argument("--gather", choices=("auto", "host", "device"), default="auto")
+    ap.add_argument("--cuda_graphs", action="store_true", help="capture CUDA graphs per batch size")
     ap.add_argument("--mps", action="store_true", help="run under a private CUDA MPS daemon")
     ap.add_argument("--json", default="", help="write all figures to this file")
     ap.add_argument("--seed", type=int, default=0)
@@ -362,7 +365,8 @@ def spec_from_args(a) -> BenchSpec:
     return BenchSpec(worker_num=a.worker_num, worker_batch=a.worker_batch, max_batch_size=a.max_batch_size,
                      model_num=a.model_num, wait_time=a.wait_time, dynamic_batch=a.dynamic_batch,
                      duration=a.duration, warmup=a.warmup, model_path=ensure_model(a.model_path, a.tiny),
-                     device=a.device, dtype=a.dtype, image_size=a.image_size, gather=a.gather, seed=a.seed)
+                     device=a.device, dtype=a.dtype, image_size=a.image_size, gather=a.gather,
+                     cuda_graphs=a.cuda_graphs, seed=a.seed)
 
 
 def main(argv=None):

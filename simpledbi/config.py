@@ -68,6 +68,10 @@ class ModelConfig:
     #: copy; "device" = one DMA per request straight from registered shared memory; "auto" picks
     #: "device" on CUDA and "host" on CPU.
     gather: str = "auto"
+    #: CUDA graphs: True, or the batch sizes to capture. A batch is padded up to the next captured
+    #: size and replayed (padding rows never reach a caller). Needs ``input_shapes``; requests of
+    #: other item shapes run eagerly. Only for models whose rows are independent (eval-mode nets).
+    cuda_graphs: Union[bool, Sequence[int]] = False
     #: Most clients (SharedModel threads) that may attach at once.
     max_clients: int = 512
     #: Seconds a model process may take to load and warm up before Run gives up.
@@ -116,6 +120,21 @@ class ModelConfig:
                 raise ValueError(f"num_threads: expected >= 1, got {self.num_threads}")
         if self.gather not in _GATHER_MODES:
             raise ValueError(f"gather: expected one of {_GATHER_MODES}, got {self.gather!r}")
+        if self.cuda_graphs is not False:
+            if self.input_shapes is None:
+                raise ValueError("cuda_graphs: needs input_shapes (the item shapes to capture)")
+            if self.cuda_graphs is True:
+                step = max(1, self.max_batch_size // 8)
+                sizes = {1, 2, 4, self.max_batch_size} | set(range(step, self.max_batch_size + 1, step))
+            else:
+                try:
+                    sizes = {int(n) for n in self.cuda_graphs}
+                except TypeError:
+                    raise TypeError(f"cuda_graphs: expected True or a list of batch sizes, got "
+                                    f"{self.cuda_graphs!r}") from None
+                sizes.add(self.max_batch_size)
+            sizes = tuple(sorted(n for n in sizes if 1 <= n <= self.max_batch_size))
+            object.__setattr__(self, "cuda_graphs", sizes)
         _check_type("max_clients", self.max_clients, int, "int")
         if not 1 <= self.max_clients <= 65536:
             raise ValueError(f"max_clients: expected 1..65536, got {self.max_clients}")

@@ -1,0 +1,81 @@
+"""The two seed commands against their plain-PyTorch baselines, in one run, under CUDA MPS.
+
+    python experiments/targets.py [--duration 10] [--warmup 3] [--no-mps] [--json out.json]
+        [--variants gather=host,gather=device]
+
+Runs, in this order and in this process tree: plain 3 x 32, dynamic 128 workers / max batch 32 /
+3 model processes / wait 0.01; plain 2 x 4, dynamic 8 / 4 / 2 / 0.003. Prints each report and
+the ratios; ``--variants`` adds the dynamic runs again with other BenchSpec fields.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import benchmark  # noqa: E402
+
+
+def pairs(model_path: str, duration: float, warmup: float, device: str):
+    common = dict(model_path=model_path, duration=duration, warmup=warmup, device=device)
+    big_plain = benchmark.BenchSpec(worker_num=3, worker_batch=32, dynamic_batch=False, **common)
+    big_dyn = benchmark.BenchSpec(worker_num=128, worker_batch=1, max_batch_size=32, model_num=3,
+                                  wait_time=0.01, **common)
+    small_plain = benchmark.BenchSpec(worker_num=2, worker_batch=4, dynamic_batch=False, **common)
+    small_dyn = benchmark.BenchSpec(worker_num=8, worker_batch=1, max_batch_size=4, model_num=2,
+                                    wait_time=0.003, **common)
+    return [("128 workers x 1 -> max batch 32, 3 model procs", big_plain, big_dyn),
+            ("8 workers x 1 -> max batch 4, 2 model procs", small_plain, small_dyn)]
+
+
+def _parse(current, text: str):
+    if isinstance(current, bool):
+        return text.lower() in ("1", "true", "yes", "on")
+    return type(current)(text)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--duration", type=float, default=10.0)
+    ap.add_argument("--warmup", type=float, default=3.0)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--model_path", default="")
+    ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--no-mps", dest="mps", action="store_false")
+    ap.add_argument("--variants", default="",
+                    help="extra dynamic runs: ';'-separated, each a ','-separated list of field=value")
+    ap.add_argument("--json", default="")
+    a = ap.parse_args()
+    path = benchmark.ensure_model(a.model_path, a.tiny)
+    out = []
+    with benchmark.mps_daemon(a.mps):
+        for title, plain, dyn in pairs(path, a.duration, a.warmup, a.device):
+            print(f"== {title} (MPS {'on' if a.mps else 'off'})", flush=True)
+            base = benchmark.run_config(plain, quiet=True)
+            print(benchmark.format_report(base), flush=True)
+            runs = [dyn] + [
+                dataclasses.replace(dyn, **{k: _parse(getattr(dyn, k), v)
+                                            for k, v in (kv.split("=") for kv in variant.split(","))})
+                for variant in a.variants.split(";") if variant]
+            for spec in runs:
+                r = benchmark.run_config(spec, quiet=True)
+                print(benchmark.format_report(r, base), flush=True)
+                p50_runtime = r.get("per_batch_ms", {}).get("runtime", {}).get("p50")
+                out.append({"title": title, "mps": a.mps, "plain": base, "dynamic": r,
+                            "ratio": r["throughput"] / base["throughput"],
+                            "p50_minus_plain_mean_ms": r["latency_ms"]["p50"] - base["latency_ms"]["mean"],
+                            "runtime_p50_ms": p50_runtime})
+                print(f"  => {out[-1]['ratio']:.2f}x plain; p50 - plain mean = "
+                      f"{out[-1]['p50_minus_plain_mean_ms']:+.2f} ms; runtime p50 {p50_runtime:.3f} ms/batch",
+                      flush=True)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,56 @@
+"""ModelConfig and RuntimeOptions refuse bad values up front, saying what was expected."""
+import pytest
+
+from simpledbi import ModelConfig, Run, RuntimeOptions
+
+
+def ok(**kw):
+    base = dict(name="m", factory=dict)
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+@pytest.mark.parametrize("kw,exc,words", [
+    (dict(name="a b"), ValueError, "letters, digits"),
+    (dict(name=3), TypeError, "expected str"),
+    (dict(path="x.pt"), ValueError, "exactly one of path= or factory="),
+    (dict(factory=None), ValueError, "exactly one of path= or factory="),
+    (dict(factory=3), TypeError, "expected a callable"),
+    (dict(max_batch_size=0), ValueError, "max_batch_size: expected >= 1, got 0"),
+    (dict(max_batch_size=2.5), TypeError, "max_batch_size: expected int"),
+    (dict(model_num=0), ValueError, "model_num"),
+    (dict(wait_time=-1), ValueError, "wait_time"),
+    (dict(device="tpu"), ValueError, "'cpu', 'cuda', 'cuda:N' or 'auto', got 'tpu'"),
+    (dict(device=[]), TypeError, "non-empty list"),
+    (dict(precision="int8"), ValueError, "precision"),
+    (dict(gather="magic"), ValueError, "gather"),
+    (dict(input_shapes=[(3, 0)]), ValueError, "input_shapes"),
+    (dict(input_shapes=[(3,)], input_dtypes=["float32", "int64"]), ValueError, "one dtype per entry"),
+    (dict(cuda_graphs=True), ValueError, "needs input_shapes"),
+    (dict(max_clients=0), ValueError, "max_clients"),
+])
+def test_bad_model_config(kw, exc, words):
+    with pytest.raises(exc, match=None) as info:
+        ok(**kw)
+    assert words in str(info.value)
+
+
+def test_good_model_config_normalises():
+    cfg = ok(device=["cuda:0", "cuda:1"], model_num=3, input_shapes=[[3, 4]], wait_time=1,
+             cuda_graphs=True, max_batch_size=16)
+    assert cfg.device_of(0) == "cuda:0" and cfg.device_of(1) == "cuda:1" and cfg.device_of(2) == "cuda:0"
+    assert cfg.input_shapes == ((3, 4),) and isinstance(cfg.wait_time, float)
+    assert cfg.cuda_graphs == (1, 2, 4, 6, 8, 10, 12, 14, 16)
+
+
+def test_bad_runtime_options_and_run_arguments():
+    with pytest.raises(ValueError, match="poll_interval"):
+        RuntimeOptions(poll_interval=0)
+    with pytest.raises(TypeError, match="non-empty list of ModelConfig"):
+        Run(target=print, worker_num=1, models=[])
+    with pytest.raises(ValueError, match="unique names"):
+        Run(target=print, worker_num=1, models=[ok(), ok()])
+    with pytest.raises(ValueError, match="worker_num"):
+        Run(target=print, worker_num=-1, models=[ok()])
+    with pytest.raises(TypeError, match="target"):
+        Run(target=3, worker_num=1, models=[ok()])

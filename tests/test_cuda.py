@@ -1,0 +1,47 @@
+"""The CUDA data path (registered shared memory, pinned staging, streams). Skipped without a GPU."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from simpledbi import ModelConfig, SharedModel
+
+from . import models
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.parametrize("gather", ["device", "host"])
+def test_cuda_round_trip_with_mixed_rows_and_shapes(start_runtime, gather):
+    rt = start_runtime(ModelConfig(name="affine", factory=models.affine, max_batch_size=8, model_num=2,
+                                   device="cuda", gather=gather, wait_time=0.002))
+    with SharedModel("affine", max_shape=(3, 4, 5), namespace=rt.namespace) as model:
+        rng = np.random.default_rng(0)
+        for _ in range(200):
+            x = rng.standard_normal((int(rng.integers(1, 4)), int(rng.integers(1, 5)), 5)).astype(np.float32)
+            np.testing.assert_array_equal(model.forward(x), x * 2 + 1)
+
+
+def test_cuda_half_precision(start_runtime):
+    rt = start_runtime(ModelConfig(name="mean", factory=models.channel_mean, max_batch_size=4,
+                                   device="cuda", precision="float16", input_shapes=[(3, 8, 8)]))
+    with SharedModel("mean", max_shape=(2, 3, 8, 8), namespace=rt.namespace) as model:
+        x = np.random.default_rng(1).standard_normal((2, 3, 8, 8)).astype(np.float32)
+        y = model.forward(x)
+        assert y.dtype == np.float16
+        np.testing.assert_allclose(y.astype(np.float32), x.mean(axis=(2, 3)), atol=1e-2)
+
+
+def test_cuda_graphs_pad_and_never_leak_padding(start_runtime):
+    rt = start_runtime(ModelConfig(name="affine", factory=models.affine, max_batch_size=8, device="cuda",
+                                   input_shapes=[(4,)], cuda_graphs=[2, 8], wait_time=0.002))
+    with SharedModel("affine", max_shape=(3, 4), namespace=rt.namespace) as model:
+        rng = np.random.default_rng(2)
+        for _ in range(100):
+            x = rng.standard_normal((int(rng.integers(1, 4)), 4)).astype(np.float32)
+            y = model.forward(x)
+            assert y.shape == x.shape
+            np.testing.assert_array_equal(y, x * 2 + 1)
+        x = np.ones((2, 3), np.float32)  # another item shape: runs eagerly
+        np.testing.assert_array_equal(model.forward(x), x * 2 + 1)
