@@ -52,6 +52,7 @@ class BenchSpec:
     image_size: int = 224
     gather: str = "auto"
     cuda_graphs: bool = False
+    arrival_rate: float = 0.0   # requests/s over all workers, Poisson; 0 = closed loop
     seed: int = 0
 
 
@@ -98,17 +99,29 @@ def _inputs(spec: BenchSpec, rank: int) -> List[np.ndarray]:
     return [rng.standard_normal(shape, dtype=np.float32).astype(spec.dtype) for _ in range(4)]
 
 
-def _loop(call, xs, start: StartLine, spec: BenchSpec, timing=None):
+def _loop(call, xs, start: StartLine, spec: BenchSpec, timing=None, rank: int = 0):
+    """Closed loop (next call as soon as the last returns) or, with ``arrival_rate``, open loop:
+    Poisson arrivals per worker, latency counted from the scheduled arrival (queueing included)."""
     call(xs[0])  # first call outside the clock
     t_go = start.arrive_and_wait()
     end = t_go + spec.warmup + spec.duration
     starts, ends, wakes = [], [], []
+    rng = np.random.default_rng(spec.seed * 7919 + rank)
+    rate = spec.arrival_rate / spec.worker_num
     i = 0
     now = time.monotonic()
+    arrival = now + (rng.exponential(1 / rate) if rate else 0.0)
     while now < end:
+        if rate:
+            if arrival > now:
+                time.sleep(arrival - now)  # the load generator idles until the next arrival
+            t0 = arrival
+            arrival += rng.exponential(1 / rate)
+        else:
+            t0 = now
         call(xs[i & 3])
         t1 = time.monotonic()
-        starts.append(now)
+        starts.append(t0)
         ends.append(t1)
         if timing is not None:
             tm = timing()
@@ -124,7 +137,7 @@ def dynamic_worker(rank: int, spec: BenchSpec, start_prefix: str):
     try:
         model = SharedModel("model", max_shape=(spec.worker_batch, 3, spec.image_size, spec.image_size),
                             dtype=spec.dtype)
-        return _loop(model.forward, _inputs(spec, rank), start, spec, model.last_timing)
+        return _loop(model.forward, _inputs(spec, rank), start, spec, model.last_timing, rank)
     finally:
         start.close()
 
@@ -150,7 +163,7 @@ def plain_worker(rank: int, spec: BenchSpec, start_prefix: str, conn) -> None:
             xs = _inputs(spec, rank)
             for _ in range(3):
                 call(xs[0])
-            conn.send(_loop(call, xs, start, spec))
+            conn.send(_loop(call, xs, start, spec, None, rank))
     except BaseException as e:  # noqa: BLE001
         conn.send(e)
         raise
@@ -355,6 +368,8 @@ def parse_args(argv=None):
     ap.add_argument("--dtype", choices=("float32", "float16"), default="float32")
     ap.add_argument("--gather", choices=("auto", "host", "device"), default="auto")
     ap.add_argument("--cuda_graphs", action="store_true", help="capture CUDA graphs per batch size")
+    ap.add_argument("--arrival_rate", type=float, default=0.0,
+                    help="open loop: Poisson requests/s over all workers (default: closed loop)")
     ap.add_argument("--mps", action="store_true", help="run under a private CUDA MPS daemon")
     ap.add_argument("--json", default="", help="write all figures to this file")
     ap.add_argument("--seed", type=int, default=0)
@@ -366,7 +381,7 @@ def spec_from_args(a) -> BenchSpec:
                      model_num=a.model_num, wait_time=a.wait_time, dynamic_batch=a.dynamic_batch,
                      duration=a.duration, warmup=a.warmup, model_path=ensure_model(a.model_path, a.tiny),
                      device=a.device, dtype=a.dtype, image_size=a.image_size, gather=a.gather,
-                     cuda_graphs=a.cuda_graphs, seed=a.seed)
+                     cuda_graphs=a.cuda_graphs, arrival_rate=a.arrival_rate, seed=a.seed)
 
 
 def main(argv=None):

@@ -87,6 +87,7 @@ class _Peer:
         self.inputs = [read_desc(desc_view(self.views.words, R_DESC, k)) for k in range(n_in)]
         self._views: Dict[tuple, np.ndarray] = {}
         self._out_views: Dict[tuple, np.ndarray] = {}
+        self.regions: Dict[int, Tuple[int, int]] = {}  # output j -> (offset, capacity)
         self.address = self.in_seg.address()
         self.registered = engine.register(self.address, self.in_seg.size)
 
@@ -347,22 +348,26 @@ class ModelServer:
         self._account(batch, total, t_close, t_scatter, t_end, result, error is not None)
 
     def _write_outputs(self, r: _Request, result, offset: int, probe: bool) -> Tuple[int, str]:
-        w = r.peer.views.words
+        peer = r.peer
+        w = peer.views.words
         w[P_NOUT] = len(result.outputs)
         w[P_TUPLE] = int(result.is_tuple)
         for j, o in enumerate(result.outputs):
-            d = desc_view(w, P_DESC, j)
             rows = o[offset:offset + r.rows]
+            d = desc_view(w, P_DESC, j)
+            # Always written: another model process may have answered this slot in between.
             write_desc(d, dtype_code(o.dtype), rows.shape)
             if probe:
                 continue
-            capacity = int(d[3])
+            if j not in peer.regions:  # written by the client once, after its probe
+                peer.regions[j] = (int(d[2]), int(d[3]))
+            offset_j, capacity = peer.regions[j]
             if rows.nbytes > capacity:
                 return ST_BAD_REQUEST, (
                     f"output {j} of shape {rows.shape} ({rows.dtype}) needs {rows.nbytes} bytes but "
                     f"this client reserved {capacity} (sized from its max_shape); an input smaller "
                     f"than max_shape must not give a larger output")
-            r.peer.output_view(j, int(d[2]), rows.dtype, rows.shape)[...] = rows
+            peer.output_view(j, offset_j, rows.dtype, rows.shape)[...] = rows
         return ST_OK, ""
 
     def _respond(self, r: _Request, status: int, text: str, t_close: float, total: int) -> None:
