@@ -29,7 +29,7 @@ from typing import List, Optional
 import numpy as np
 import posix_ipc
 
-from simpledbi import ModelConfig, Run, RuntimeOptions, SharedModel
+from simpledbi import ModelConfig, RuntimeOptions, SharedModel
 from simpledbi.shm import Segment, new_namespace
 from simpledbi.slots import B_FIELDS
 

@@ -14,7 +14,7 @@ import sys
 import threading
 import time
 import weakref
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import List, Optional, Tuple
 
 import numpy as np
 import posix_ipc
@@ -23,10 +23,10 @@ from . import stats as _stats
 from .errors import ModelError, ModelProcessDied, RuntimeStopped
 from .shm import Segment, create_semaphore, list_namespace, open_semaphore, pid_alive, unlink_sem
 from .slots import (
-    BROKEN, DATA_OFFSET, DESC_WORDS, F_BATCH_ROWS, F_CLOSE, F_DONE, F_PUBLISH, FLAG_PROBE, FREE, I_PID, I_STATE, IDLE,
-    INST_READY, MAX_IO, MAX_NDIM, N_SPEC, P_DESC, P_NOUT, P_OUT_BYTES, P_SEQ, P_STATUS, P_TUPLE,
+    BROKEN, DATA_OFFSET, DESC_WORDS, F_BATCH_ROWS, F_CLOSE, F_DONE, F_PUBLISH, FLAG_PROBE, FREE, I_PID, IDLE,
+    MAX_IO, MAX_NDIM, P_DESC, P_NOUT, P_OUT_BYTES, P_SEQ, P_STATUS, P_TUPLE,
     NEW, PUBLISHED, R_DESC, R_FLAGS, R_NIN, R_ROWS, R_SEQ, ST_BAD_REQUEST, ST_MODEL_ERROR, ST_OK,
-    ST_STOPPED, STOPPING, CLAIMED, DONE, H_MAX_BATCH, T_ATTACHED, T_CLAIMER, T_GEN, T_KEY, T_OWNER,
+    ST_STOPPED, STOPPING, CLAIMED, H_MAX_BATCH, T_ATTACHED, T_CLAIMER, T_GEN, T_KEY, T_OWNER,
     T_ROWS, T_SEQ, T_STATE, ControlBlock, SlotViews, align, code_dtype, ctl_name, desc_view,
     doorbell_name, dtype_code, read_desc, sem_name, shape_key, slot_name, write_desc,
 )

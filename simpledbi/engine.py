@@ -18,7 +18,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, List, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -300,7 +300,6 @@ class Engine:
     def warm_up(self, shapes: Sequence[Tuple[int, ...]], dtypes: Sequence[str], batch_sizes: Sequence[int]):
         """Run the model on zero batches so lazy initialisation (cuDNN plans, allocator pools,
         TorchScript profiling runs) is paid before the first request; returns the last result."""
-        result = None
         with torch.inference_mode():
             return self._warm_up(shapes, dtypes, batch_sizes)
 

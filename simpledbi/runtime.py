@@ -25,9 +25,8 @@ import time
 from multiprocessing.connection import wait
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
-from .client import ENV_NAMESPACE
 from .config import ModelConfig, RuntimeOptions
-from .errors import ModelError, ModelProcessDied, SimpleDBIError, WorkerError
+from .errors import ModelError, ModelProcessDied, WorkerError
 from .janitor import janitor_main
 from .model_process import ModelProcessSpec, model_process_main
 from .shm import (
