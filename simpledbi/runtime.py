@@ -84,6 +84,8 @@ class Runtime:
         self.worker_procs: Dict[int, Any] = {}
         self._janitor = None
         self._janitor_conn = None
+        self._reaper: Optional[threading.Thread] = None
+        self._reaper_stop = threading.Event()
         self._started = False
         self._closed = False
 
@@ -109,6 +111,8 @@ class Runtime:
             self._await_models()
             for ctl in self.ctls.values():
                 ctl.set_state(RUNNING)
+            self._reaper = threading.Thread(target=self._reap_loop, name="simpledbi-reaper", daemon=True)
+            self._reaper.start()
         except BaseException:
             self.shutdown()
             raise
@@ -191,7 +195,6 @@ class Runtime:
         sentinels = {p.sentinel: r for r, p in self.worker_procs.items()}
         model_sentinels = {m.proc.sentinel: m for m in self.model_procs}
         pending = set(range(worker_num))
-        next_reap = time.monotonic() + self.options.poll_interval
 
         def take(conn, rank):
             try:
@@ -233,9 +236,6 @@ class Runtime:
                     if self.ctls[m.cfg.name].state >= STOPPING:
                         continue
                     raise self._model_died(m)
-            if time.monotonic() >= next_reap:
-                self.reap_dead_clients()
-                next_reap = time.monotonic() + self.options.poll_interval
         for conn in conns:
             conn.close()
         return results
@@ -262,6 +262,14 @@ class Runtime:
                     continue
                 sem.release()
                 sem.close()
+
+    def _reap_loop(self) -> None:
+        """Every poll_interval, free the slots of clients that died (Run and Runtime alike)."""
+        while not self._reaper_stop.wait(self.options.poll_interval):
+            try:
+                self.reap_dead_clients()
+            except Exception:  # noqa: BLE001 - keep reaping; a failure here must not kill the run
+                logger.exception("reaping dead clients failed")
 
     def reap_dead_clients(self) -> int:
         """Free the slots (and shared memory) of clients that died without detaching."""
@@ -294,6 +302,9 @@ class Runtime:
         if threading.current_thread() is threading.main_thread():
             restore = signal.signal(signal.SIGINT, signal.SIG_IGN)  # finish cleaning up first
         try:
+            self._reaper_stop.set()
+            if self._reaper is not None:
+                self._reaper.join()
             self._stop_children()
         finally:
             for ctl in self.ctls.values():

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from simpledbi import ModelProcessDied, SharedModel
+from simpledbi.slots import T_ATTACHED
 
 from . import models
 from .conftest import cpu_model, ours
@@ -151,3 +152,21 @@ def test_an_idle_runtime_costs_no_cpu(start_runtime):
         used = [_cpu_ticks(p) - b for p, b in zip(pids, before)]
     hz = os.sysconf("SC_CLK_TCK")
     assert all(u / hz < 0.05 for u in used), f"model processes used {used} ticks in 1 s idle"
+
+
+def test_slot_of_a_killed_client_process_is_reaped(start_runtime):
+    rt = start_runtime(cpu_model("affine", models.affine, max_batch_size=2))
+    code = ("import os, numpy as np; from simpledbi import SharedModel; "
+            f"m = SharedModel('affine', max_shape=(1, 2), namespace={rt.namespace!r}); "
+            "m.forward(np.ones((1, 2), np.float32)); print('ATTACHED', flush=True); os._exit(0)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         timeout=60)
+    assert "ATTACHED" in out.stdout, out.stderr
+    table = rt.ctls["affine"].table
+    deadline = time.monotonic() + 30
+    while table[T_ATTACHED].any() and time.monotonic() < deadline:
+        threading.Event().wait(0.02)  # bounded wait for the reaper's condition
+    assert not table[T_ATTACHED].any()
+    assert [e for e in ours() if ".s0." in e] == []  # its segments and semaphores are gone
+    with SharedModel("affine", max_shape=(1, 2), namespace=rt.namespace) as model:  # slot reusable
+        np.testing.assert_array_equal(model.forward(np.ones((1, 2), np.float32)), np.full((1, 2), 3.0))
