@@ -18,7 +18,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, List, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -96,15 +96,15 @@ class Engine:
         self.model = load_model(cfg, self.device)
         self.cast = _PRECISION[cfg.precision] if cfg.precision != "float32" else None
         self.gather_mode = cfg.gather if cfg.gather != "auto" else ("device" if self.cuda else "host")
-        self._host_staging: List[np.ndarray] = []    # per input, uint8, pinned on CUDA
-        self._dev_staging: List[torch.Tensor] = []   # per input, uint8 on the device
-        self._out_staging: List[torch.Tensor] = []   # per output, pinned uint8
         self._registered = {}                        # address -> size (cudaHostRegister)
         self._graphs = {}                            # batch size -> _Graph
         self._graph_key = None                       # (item shapes, dtypes) the graphs take
+        # Two sets of staging buffers: batch k+1 is copied in while batch k computes.
+        self._sets = [_BufferSet(self.cuda) for _ in range(2 if self.cuda else 1)]
+        self._next_set = 0
         if self.cuda:
-            self.stream = torch.cuda.Stream(self.device)
-            self._events = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+            self.stream = torch.cuda.Stream(self.device)        # forward + device->host
+            self.copy_stream = torch.cuda.Stream(self.device)   # host->device
             self._memcpy = _find_memcpy()
 
     # ------------------------------------------------------------ memory registration
@@ -129,37 +129,57 @@ class Engine:
             self.unregister(address)
 
     # ------------------------------------------------------------ staging buffers
-    def _grow_host(self, k: int, nbytes: int) -> np.ndarray:
-        while len(self._host_staging) <= k:
-            self._host_staging.append(np.empty(0, np.uint8))
-        if self._host_staging[k].nbytes < nbytes:
+    def _host_buf(self, bs: "_BufferSet", k: int, nbytes: int) -> np.ndarray:
+        while len(bs.host) <= k:
+            bs.host.append(np.empty(0, np.uint8))
+        if bs.host[k].nbytes < nbytes:
             if self.cuda:
-                t = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-                self._host_staging[k] = t.numpy()
+                bs.host[k] = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).numpy()
             else:
-                self._host_staging[k] = np.empty(nbytes, np.uint8)
-        return self._host_staging[k]
+                bs.host[k] = np.empty(nbytes, np.uint8)
+        return bs.host[k]
 
-    def _grow_dev(self, k: int, nbytes: int) -> torch.Tensor:
-        while len(self._dev_staging) <= k:
-            self._dev_staging.append(torch.empty(0, dtype=torch.uint8, device=self.device))
-        if self._dev_staging[k].numel() < nbytes:
-            self._dev_staging[k] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        return self._dev_staging[k]
+    def _dev_buf(self, bs: "_BufferSet", k: int, nbytes: int) -> torch.Tensor:
+        # Safe to replace: the set's previous batch was synchronised before the set is reused.
+        while len(bs.dev) <= k:
+            bs.dev.append(torch.empty(0, dtype=torch.uint8, device=self.device))
+        if bs.dev[k].numel() < nbytes:
+            bs.dev[k] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        return bs.dev[k]
 
-    def _grow_out(self, j: int, nbytes: int) -> torch.Tensor:
-        while len(self._out_staging) <= j:
-            self._out_staging.append(torch.empty(0, dtype=torch.uint8, pin_memory=True))
-        if self._out_staging[j].numel() < nbytes:
-            self._out_staging[j] = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-        return self._out_staging[j]
+    def _out_buf(self, bs: "_BufferSet", j: int, nbytes: int) -> torch.Tensor:
+        while len(bs.out) <= j:
+            bs.out.append(torch.empty(0, dtype=torch.uint8, pin_memory=True))
+        if bs.out[j].numel() < nbytes:
+            bs.out[j] = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        return bs.out[j]
 
     # ------------------------------------------------------------ one batch
     def run(self, parts: Sequence[Sequence[np.ndarray]], registered: Sequence[bool]) -> BatchResult:
         """``parts[k][r]`` is request r's rows of input k (a view of its shared memory)."""
-        if self.cuda:
-            return self._run_cuda(parts, registered)
-        return self._run_cpu(parts)
+        return self.finish(self.launch(parts, registered))
+
+    def launch(self, parts, registered) -> "Launched":
+        """Start a batch. On CUDA this only enqueues work (copies on one stream, forward and
+        device->host on another) and returns; on the CPU the batch is computed here. At most two
+        launched batches may be unfinished at a time (two buffer sets)."""
+        if not self.cuda:
+            return Launched(result=self._run_cpu(parts))
+        return self._launch_cuda(parts, registered)
+
+    def finish(self, launched: "Launched") -> BatchResult:
+        """Wait for a launched batch and return its outputs (views of pinned memory, valid until
+        the buffer set is reused two launches later)."""
+        if launched.result is not None:
+            return launched.result
+        ev = launched.events
+        ev["done"].synchronize()
+        arrays = [p.numpy().view(_numpy_dtype(dt)).reshape(shape) for p, dt, shape in launched.hosts]
+        times = BatchTimes(gather=launched.gather,
+                           h2d=ev["start"].elapsed_time(ev["copied"]) / 1e3,
+                           forward=ev["fwd_start"].elapsed_time(ev["fwd_end"]) / 1e3,
+                           d2h=ev["fwd_end"].elapsed_time(ev["done"]) / 1e3)
+        return BatchResult(arrays, launched.is_tuple, times)
 
     def _run_cpu(self, parts) -> BatchResult:
         times = BatchTimes()
@@ -171,8 +191,9 @@ class Engine:
             else:
                 rows = sum(v.shape[0] for v in views)
                 item = views[0].shape[1:]
-                buf = self._grow_host(k, rows * views[0][0:1].nbytes)
-                arr = buf[:rows * views[0][0:1].nbytes].view(views[0].dtype).reshape((rows, *item))
+                nbytes = rows * views[0][0:1].nbytes
+                buf = self._host_buf(self._sets[0], k, nbytes)
+                arr = buf[:nbytes].view(views[0].dtype).reshape((rows, *item))
                 np.concatenate(views, axis=0, out=arr)
             xs.append(torch.from_numpy(arr))
         if self.cast is not None:
@@ -189,9 +210,10 @@ class Engine:
         times.d2h = time.perf_counter() - t2
         return BatchResult(arrays, is_tuple, times)
 
-    def _run_cuda(self, parts, registered) -> BatchResult:
-        times = BatchTimes()
-        ev = self._events
+    def _launch_cuda(self, parts, registered) -> "Launched":
+        bs = self._sets[self._next_set]
+        self._next_set ^= 1
+        ev = bs.events
         t0 = time.perf_counter()
         rows = sum(v.shape[0] for v in parts[0])
         graph = None
@@ -199,37 +221,41 @@ class Engine:
             key = tuple((views[0].shape[1:], views[0].dtype) for views in parts)
             if key == self._graph_key:
                 graph = self._graphs[min(n for n in self._graphs if n >= rows)]
-        xs = []
-        with torch.cuda.stream(self.stream):
-            ev[0].record()
+        staged = []
+        with torch.cuda.stream(self.copy_stream):
+            ev["start"].record()
             for k, views in enumerate(parts):
-                item = views[0].shape[1:]
                 nbytes = rows * views[0][0:1].nbytes
-                if graph is not None:
-                    dev = graph.inputs_u8[k]
-                else:
-                    dev = self._grow_dev(k, nbytes)
+                dev = self._dev_buf(bs, k, nbytes)
                 if self.gather_mode == "device" and all(registered):
                     self._gather_dma(dev, views)
                 else:
-                    buf = self._grow_host(k, nbytes)[:nbytes]
-                    host = buf.view(views[0].dtype).reshape((rows, *item))
-                    np.concatenate(views, axis=0, out=host)
+                    if bs.host_copied:  # the last copy out of this pinned buffer must be done
+                        ev["copied"].synchronize()
+                    buf = self._host_buf(bs, k, nbytes)[:nbytes]
+                    np.concatenate(views, axis=0, out=buf.view(views[0].dtype).reshape((rows, *views[0].shape[1:])))
                     dev[:nbytes].copy_(torch.from_numpy(buf), non_blocking=True)
-                if graph is None:
-                    x = dev[:nbytes].view(_torch_dtype(views[0].dtype)).view((rows, *item))
-                    if self.cast is not None and x.is_floating_point():
-                        x = x.to(self.cast)
-                    xs.append(x)
-            t1 = time.perf_counter()
-            ev[1].record()
+                    bs.host_copied = True
+                staged.append((dev[:nbytes], views[0].dtype, views[0].shape[1:]))
+            ev["copied"].record()
+        t1 = time.perf_counter()
+        with torch.cuda.stream(self.stream):
+            self.stream.wait_event(ev["copied"])
+            ev["fwd_start"].record()
             if graph is not None:
+                for k, (dev, _, _) in enumerate(staged):
+                    graph.inputs_u8[k][:dev.numel()].copy_(dev)
                 graph.graph.replay()
                 outs, is_tuple = [o[:rows] for o in graph.outputs], graph.is_tuple
             else:
-                out = self.model(*xs)  # the model process runs under torch.inference_mode()
-                outs, is_tuple = _as_list(out)
-            ev[2].record()
+                xs = []
+                for dev, dtype, item in staged:
+                    x = dev.view(_torch_dtype(dtype)).view((rows, *item))
+                    if self.cast is not None and x.is_floating_point():
+                        x = x.to(self.cast)
+                    xs.append(x)
+                outs, is_tuple = _as_list(self.model(*xs))  # under torch.inference_mode()
+            ev["fwd_end"].record()
             hosts = []
             for j, o in enumerate(outs):
                 o = o.detach()
@@ -239,22 +265,16 @@ class Engine:
                     o = o.to(self.device)
                 o = o.contiguous()
                 nbytes = o.numel() * o.element_size()
-                pinned = self._grow_out(j, nbytes)[:nbytes]
+                pinned = self._out_buf(bs, j, nbytes)[:nbytes]
                 pinned.view(o.dtype).view(o.shape).copy_(o, non_blocking=True)
                 hosts.append((pinned, o.dtype, tuple(o.shape)))
-            ev[3].record()
-        ev[3].synchronize()
-        arrays = [p.numpy().view(_numpy_dtype(dt)).reshape(shape) for p, dt, shape in hosts]
-        times.gather = t1 - t0
-        times.h2d = ev[0].elapsed_time(ev[1]) / 1e3
-        times.forward = ev[1].elapsed_time(ev[2]) / 1e3
-        times.d2h = ev[2].elapsed_time(ev[3]) / 1e3
-        return BatchResult(arrays, is_tuple, times)
+            ev["done"].record()
+        return Launched(events=ev, hosts=hosts, is_tuple=is_tuple, gather=t1 - t0)
 
     def _gather_dma(self, dev: torch.Tensor, views) -> None:
         """One host->device DMA per request, straight from its registered shared memory."""
         if self._memcpy is not None:
-            stream, dst = self.stream.cuda_stream, dev.data_ptr()
+            stream, dst = self.copy_stream.cuda_stream, dev.data_ptr()
             for v in views:
                 n = v.nbytes
                 err = self._memcpy(dst, v.ctypes.data, n, 1, stream)  # 1: cudaMemcpyHostToDevice
@@ -310,6 +330,33 @@ class Engine:
                 views = [[np.zeros((n, *s), dtype=np.dtype(d))] for s, d in zip(shapes, dtypes)]
                 result = self.run(views, [False] * len(views))
         return result
+
+
+class _BufferSet:
+    """Staging for one batch in flight: device inputs, pinned inputs (host gather), pinned
+    outputs, and the events that time its stages."""
+
+    def __init__(self, cuda: bool):
+        self.dev: List[torch.Tensor] = []
+        self.host: List[np.ndarray] = []
+        self.out: List[torch.Tensor] = []
+        self.host_copied = False
+        self.events = ({n: torch.cuda.Event(enable_timing=True)
+                        for n in ("start", "copied", "fwd_start", "fwd_end", "done")} if cuda else {})
+
+
+@dataclass
+class Launched:
+    """A batch whose device work is enqueued (or, on the CPU, already computed)."""
+
+    result: Optional[BatchResult] = None
+    events: dict = field(default_factory=dict)
+    hosts: list = field(default_factory=list)
+    is_tuple: bool = False
+    gather: float = 0.0
+
+    def ready(self) -> bool:
+        return self.result is not None or self.events["done"].query()
 
 
 @dataclass

@@ -131,6 +131,9 @@ class _Peer:
         self.done.close()
 
 
+_BUSY_POLL = 0.0002  # seconds between device checks while collecting behind a running batch
+
+
 @dataclass
 class _Request:
     slot: int
@@ -139,6 +142,14 @@ class _Request:
     shapes: Tuple[Tuple[int, ...], ...]
     flags: int
     t_publish: float
+
+
+@dataclass
+class _InFlight:
+    batch: List["_Request"]
+    t_close: float
+    launched: object = None
+    error: Optional[Tuple[int, str]] = None
 
 
 class ModelServer:
@@ -178,21 +189,43 @@ class ModelServer:
             self._serve()
 
     def _serve(self) -> None:
-        while True:
-            if int(self.ctl.header[H_STATE]) >= STOPPING:
-                break
-            batch = self._collect()
-            if batch:
-                self._run_batch(batch)
-                if time.monotonic() - self._last_maintenance > self.poll:
+        """NOTE [pipelining]: on CUDA, batch k+1 is collected, copied in and launched while batch
+        k runs on the device; k is then finished (synchronised, scattered, answered). At most one
+        batch is in flight between iterations, two at the moment of a launch (two buffer sets)."""
+        inflight: Optional[_InFlight] = None
+        try:
+            while True:
+                if int(self.ctl.header[H_STATE]) >= STOPPING:
+                    break
+                batch = self._collect(inflight.launched if inflight else None)
+                if batch:
+                    if inflight is not None and inflight.launched.ready():
+                        self._complete(inflight)  # the device is idle: answer first, then launch
+                        inflight = None
+                    launched = self._launch(batch)
+                    if inflight is not None:
+                        self._complete(inflight)
+                    inflight = None
+                    if launched.launched is not None and launched.launched.result is None:
+                        inflight = launched  # device work enqueued: finish it next round
+                    else:
+                        self._complete(launched)
+                    if time.monotonic() - self._last_maintenance > self.poll:
+                        if not self._maintenance():
+                            break
+                    continue
+                if inflight is not None:
+                    self._complete(inflight)
+                    inflight = None
+                    continue
+                try:
+                    self.door.acquire(self.poll)
+                except posix_ipc.BusyError:
                     if not self._maintenance():
                         break
-                continue
-            try:
-                self.door.acquire(self.poll)
-            except posix_ipc.BusyError:
-                if not self._maintenance():
-                    break
+        finally:
+            if inflight is not None:
+                self._complete(inflight)
 
     def close(self) -> None:
         for peer in self.peers.values():
@@ -272,7 +305,9 @@ class ModelServer:
             taken += rows
         return taken
 
-    def _collect(self) -> List[_Request]:
+    def _collect(self, busy=None) -> List[_Request]:
+        """Claim the next batch. ``busy`` is the launched batch still on the device, if any:
+        then the batch also closes as soon as the device is free (it would otherwise idle)."""
         self._drain_doorbell()
         table, t_pub = self.ctl.table, self.ctl.t_publish
         pending = np.flatnonzero(table[T_STATE] == PUBLISHED)
@@ -297,8 +332,10 @@ class ModelServer:
             more = same.size == 0 and batching.more_can_arrive(states, (IDLE, DONE))
             close, wait = batching.close_decision(rows, self.max_batch, oldest, time.monotonic(),
                                                   self.wait_time, more)
-            if close:
+            if close or (busy is not None and busy.ready()):
                 break
+            if busy is not None:
+                wait = min(wait, _BUSY_POLL)  # check the device now and then while waiting
             try:
                 self.door.acquire(wait)
                 self._drain_doorbell()
@@ -309,28 +346,39 @@ class ModelServer:
         return batch
 
     # ------------------------------------------------------------ one batch
-    def _run_batch(self, batch: List[_Request]) -> None:
+    def _launch(self, batch: List[_Request]) -> "_InFlight":
         t_close = time.monotonic()
         n_in = len(batch[0].shapes)
         parts = [[r.peer.input_view(k, r.rows, r.shapes[k]) for r in batch] for k in range(n_in)]
-        total = sum(r.rows for r in batch)
-        error: Optional[Tuple[int, str]] = None
-        result = None
+        flight = _InFlight(batch, t_close)
         try:
-            result = self.engine.run(parts, [r.peer.registered for r in batch])
-            for j, o in enumerate(result.outputs):
-                if o.ndim == 0 or o.shape[0] != total:
-                    raise ValueError(f"output {j} has shape {tuple(o.shape)}: expected {total} rows "
-                                     f"(the batch dimension first), got "
-                                     f"{o.shape[0] if o.ndim else 'a scalar'}")
-            if len(result.outputs) > MAX_IO:
-                raise ValueError(f"the model returned {len(result.outputs)} outputs; at most "
-                                 f"{MAX_IO} are supported")
+            flight.launched = self.engine.launch(parts, [r.peer.registered for r in batch])
         except Exception as e:  # noqa: BLE001 - the model's own failure goes to its callers
-            logger.exception("<%s|%d> forward failed for a batch of %d requests (%d rows)",
-                             self.cfg.name, self.me, len(batch), total)
-            error = (ST_MODEL_ERROR, f"{type(e).__name__}\n{e}\n{traceback.format_exc()}")
-        del parts
+            flight.error = self._model_failed(e, batch)
+        return flight
+
+    def _model_failed(self, e: BaseException, batch) -> Tuple[int, str]:
+        logger.exception("<%s|%d> forward failed for a batch of %d requests (%d rows)",
+                         self.cfg.name, self.me, len(batch), sum(r.rows for r in batch))
+        return ST_MODEL_ERROR, f"{type(e).__name__}\n{e}\n{traceback.format_exc()}"
+
+    def _complete(self, flight: "_InFlight") -> None:
+        """Finish a launched batch: check its outputs, write each requester's rows, wake them."""
+        batch, t_close, error, result = flight.batch, flight.t_close, flight.error, None
+        total = sum(r.rows for r in batch)
+        if error is None:
+            try:
+                result = self.engine.finish(flight.launched)
+                for j, o in enumerate(result.outputs):
+                    if o.ndim == 0 or o.shape[0] != total:
+                        raise ValueError(f"output {j} has shape {tuple(o.shape)}: expected {total} rows "
+                                         f"(the batch dimension first), got "
+                                         f"{o.shape[0] if o.ndim else 'a scalar'}")
+                if len(result.outputs) > MAX_IO:
+                    raise ValueError(f"the model returned {len(result.outputs)} outputs; at most "
+                                     f"{MAX_IO} are supported")
+            except Exception as e:  # noqa: BLE001
+                error = self._model_failed(e, batch)
         t_scatter = time.monotonic()
         probe = bool(batch[0].flags & FLAG_PROBE)
         if probe and error is None:
@@ -416,6 +464,10 @@ class ModelServer:
         rec[_FIELD["forward"]] = times.forward if times else 0.0
         rec[_FIELD["d2h"]] = times.d2h if times else 0.0
         rec[_FIELD["scatter"]] = t_end - t_scatter
-        rec[_FIELD["runtime"]] = (t_end - t_close) - (times.forward if times else 0.0)
+        # The runtime's own work on this batch: copy in (issue and DMA overlap), copy out, scatter
+        # and wake. Not wall time minus forward: with pipelining, a batch also waits for the one
+        # ahead of it on the device, which is neither its forward nor the runtime's cost.
+        own = max(times.gather, times.h2d) + times.d2h if times else 0.0
+        rec[_FIELD["runtime"]] = own + (t_end - t_scatter)
         rec[_FIELD["t_end"]] = t_end
         c[C_RING_HEAD] = head + 1
