@@ -163,9 +163,7 @@ class Engine:
         """Start a batch. On CUDA this only enqueues work (copies on one stream, forward and
         device->host on another) and returns; on the CPU the batch is computed here. At most two
         launched batches may be unfinished at a time (two buffer sets)."""
-        if not self.cuda:
-            return Launched(result=self._run_cpu(parts))
-        return self._launch_cuda(parts, registered)
+        return self.start(self.stage(parts, registered))
 
     def finish(self, launched: "Launched") -> BatchResult:
         """Wait for a launched batch and return its outputs (views of pinned memory, valid until
@@ -210,17 +208,16 @@ class Engine:
         times.d2h = time.perf_counter() - t2
         return BatchResult(arrays, is_tuple, times)
 
-    def _launch_cuda(self, parts, registered) -> "Launched":
+    def stage(self, parts, registered) -> "Launched":
+        """First half of :meth:`launch`: claim a buffer set and enqueue the host->device copies
+        (on the copy stream, so they overlap whatever the compute stream is running)."""
+        if not self.cuda:
+            return Launched(parts=parts)
         bs = self._sets[self._next_set]
         self._next_set ^= 1
         ev = bs.events
         t0 = time.perf_counter()
         rows = sum(v.shape[0] for v in parts[0])
-        graph = None
-        if self._graphs and rows <= max(self._graphs):
-            key = tuple((views[0].shape[1:], views[0].dtype) for views in parts)
-            if key == self._graph_key:
-                graph = self._graphs[min(n for n in self._graphs if n >= rows)]
         staged = []
         with torch.cuda.stream(self.copy_stream):
             ev["start"].record()
@@ -238,18 +235,32 @@ class Engine:
                     bs.host_copied = True
                 staged.append((dev[:nbytes], views[0].dtype, views[0].shape[1:]))
             ev["copied"].record()
-        t1 = time.perf_counter()
+        return Launched(events=ev, buffers=bs, staged=staged, rows=rows, gather=time.perf_counter() - t0)
+
+    def start(self, launched: "Launched") -> "Launched":
+        """Second half of :meth:`launch`: enqueue the forward pass and the device->host copies."""
+        if not self.cuda:
+            launched.result = self._run_cpu(launched.parts)
+            launched.parts = None
+            return launched
+        t0 = time.perf_counter()
+        ev, bs, rows = launched.events, launched.buffers, launched.rows
+        graph = None
+        if self._graphs and rows <= max(self._graphs):
+            key = tuple((tuple(item), np.dtype(dtype)) for _, dtype, item in launched.staged)
+            if key == self._graph_key:
+                graph = self._graphs[min(n for n in self._graphs if n >= rows)]
         with torch.cuda.stream(self.stream):
             self.stream.wait_event(ev["copied"])
             ev["fwd_start"].record()
             if graph is not None:
-                for k, (dev, _, _) in enumerate(staged):
+                for k, (dev, _, _) in enumerate(launched.staged):
                     graph.inputs_u8[k][:dev.numel()].copy_(dev)
                 graph.graph.replay()
                 outs, is_tuple = [o[:rows] for o in graph.outputs], graph.is_tuple
             else:
                 xs = []
-                for dev, dtype, item in staged:
+                for dev, dtype, item in launched.staged:
                     x = dev.view(_torch_dtype(dtype)).view((rows, *item))
                     if self.cast is not None and x.is_floating_point():
                         x = x.to(self.cast)
@@ -269,7 +280,10 @@ class Engine:
                 pinned.view(o.dtype).view(o.shape).copy_(o, non_blocking=True)
                 hosts.append((pinned, o.dtype, tuple(o.shape)))
             ev["done"].record()
-        return Launched(events=ev, hosts=hosts, is_tuple=is_tuple, gather=t1 - t0)
+        launched.hosts, launched.is_tuple, launched.staged = hosts, is_tuple, None
+        launched.launch_cpu = time.perf_counter() - t0
+        launched.started = True
+        return launched
 
     def _gather_dma(self, dev: torch.Tensor, views) -> None:
         """One host->device DMA per request, straight from its registered shared memory."""
@@ -351,12 +365,18 @@ class Launched:
 
     result: Optional[BatchResult] = None
     events: dict = field(default_factory=dict)
+    buffers: Optional["_BufferSet"] = None
+    parts: Optional[list] = None       # CPU: the inputs, until start() computes the batch
+    staged: Optional[list] = None      # CUDA: (device bytes, dtype, item shape) per input
+    rows: int = 0
     hosts: list = field(default_factory=list)
     is_tuple: bool = False
     gather: float = 0.0
+    launch_cpu: float = 0.0            # host time spent enqueuing the forward pass
+    started: bool = False
 
     def ready(self) -> bool:
-        return self.result is not None or self.events["done"].query()
+        return self.result is not None or (self.started and self.events["done"].query())
 
 
 @dataclass

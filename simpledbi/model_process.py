@@ -171,6 +171,8 @@ class ModelServer:
         self.max_batch = int(self.cfg.max_batch_size)
         self.wait_time = float(self.cfg.wait_time)
         self._spec_next = 0
+        self._launch_ema = 0.0    # host seconds to enqueue a forward pass (EMA)
+        self._forward_ema = 0.0   # device seconds of a forward pass (EMA)
         if self.cfg.input_shapes:
             dtypes = self.cfg.input_dtypes or ("float32",) * len(self.cfg.input_shapes)
             result = self.engine.warm_up(self.cfg.input_shapes, dtypes,
@@ -189,9 +191,12 @@ class ModelServer:
             self._serve()
 
     def _serve(self) -> None:
-        """NOTE [pipelining]: on CUDA, batch k+1 is collected, copied in and launched while batch
-        k runs on the device; k is then finished (synchronised, scattered, answered). At most one
-        batch is in flight between iterations, two at the moment of a launch (two buffer sets)."""
+        """NOTE [pipelining]: on CUDA, batch k+1 is collected while batch k runs on the device
+        (it closes early if the device goes idle), and its host->device copies are enqueued on a
+        separate stream at once. Then either k is answered and k+1's forward launched, or -- when
+        launching is cheap next to the device time (CUDA graphs, big batches) -- k+1's forward is
+        launched first so the device never waits. At most two batches are unfinished at any time
+        (two buffer sets); on the CPU every batch is computed and answered in turn."""
         inflight: Optional[_InFlight] = None
         try:
             while True:
@@ -199,17 +204,18 @@ class ModelServer:
                     break
                 batch = self._collect(inflight.launched if inflight else None)
                 if batch:
-                    if inflight is not None and inflight.launched.ready():
-                        self._complete(inflight)  # the device is idle: answer first, then launch
+                    nxt = self._stage(batch)  # copies in on the copy stream, behind nothing
+                    if inflight is not None and (inflight.launched.ready() or not self._pipeline_forward(nxt)):
+                        self._complete(inflight)  # answer k before spending time launching k+1
                         inflight = None
-                    launched = self._launch(batch)
+                    self._start(nxt)
                     if inflight is not None:
                         self._complete(inflight)
-                    inflight = None
-                    if launched.launched is not None and launched.launched.result is None:
-                        inflight = launched  # device work enqueued: finish it next round
+                        inflight = None
+                    if nxt.error is None and nxt.launched.result is None:
+                        inflight = nxt  # device work enqueued: finish it next round
                     else:
-                        self._complete(launched)
+                        self._complete(nxt)
                     if time.monotonic() - self._last_maintenance > self.poll:
                         if not self._maintenance():
                             break
@@ -346,16 +352,34 @@ class ModelServer:
         return batch
 
     # ------------------------------------------------------------ one batch
-    def _launch(self, batch: List[_Request]) -> "_InFlight":
+    def _stage(self, batch: List[_Request]) -> "_InFlight":
         t_close = time.monotonic()
         n_in = len(batch[0].shapes)
         parts = [[r.peer.input_view(k, r.rows, r.shapes[k]) for r in batch] for k in range(n_in)]
         flight = _InFlight(batch, t_close)
         try:
-            flight.launched = self.engine.launch(parts, [r.peer.registered for r in batch])
-        except Exception as e:  # noqa: BLE001 - the model's own failure goes to its callers
+            flight.launched = self.engine.stage(parts, [r.peer.registered for r in batch])
+        except Exception as e:  # noqa: BLE001
             flight.error = self._model_failed(e, batch)
         return flight
+
+    def _start(self, flight: "_InFlight") -> None:
+        if flight.error is not None:
+            return
+        try:
+            self.engine.start(flight.launched)
+        except Exception as e:  # noqa: BLE001 - the model's own failure goes to its callers
+            flight.error = self._model_failed(e, batch=flight.batch)
+            return
+        ln = flight.launched
+        if ln.started:
+            self._launch_ema = 0.8 * self._launch_ema + 0.2 * ln.launch_cpu
+
+    def _pipeline_forward(self, nxt: "_InFlight") -> bool:
+        """Launch batch k+1's forward before answering batch k? Only when launching is cheap next
+        to the device time it overlaps (CUDA graphs, or large batches): in a launch-bound model,
+        launching first would make k's callers wait a whole launch for nothing."""
+        return self._launch_ema < 0.5 * self._forward_ema
 
     def _model_failed(self, e: BaseException, batch) -> Tuple[int, str]:
         logger.exception("<%s|%d> forward failed for a batch of %d requests (%d rows)",
@@ -369,6 +393,7 @@ class ModelServer:
         if error is None:
             try:
                 result = self.engine.finish(flight.launched)
+                self._forward_ema = 0.8 * self._forward_ema + 0.2 * result.times.forward
                 for j, o in enumerate(result.outputs):
                     if o.ndim == 0 or o.shape[0] != total:
                         raise ValueError(f"output {j} has shape {tuple(o.shape)}: expected {total} rows "
