@@ -51,7 +51,7 @@ class BenchSpec:
     dtype: str = "float32"
     image_size: int = 224
     gather: str = "auto"
-    cuda_graphs: bool = False
+    cuda_graphs: str = "auto"   # auto | on | off (ModelConfig.cuda_graphs)
     arrival_rate: float = 0.0   # requests/s over all workers, Poisson; 0 = closed loop
     seed: int = 0
 
@@ -176,7 +176,7 @@ def _model_config(spec: BenchSpec) -> ModelConfig:
     return ModelConfig(name="model", path=spec.model_path, max_batch_size=spec.max_batch_size,
                        model_num=spec.model_num, wait_time=spec.wait_time, device=spec.device,
                        input_shapes=[(3, spec.image_size, spec.image_size)], input_dtypes=[spec.dtype],
-                       precision=spec.dtype, gather=spec.gather, cuda_graphs=spec.cuda_graphs,
+                       precision=spec.dtype, gather=spec.gather, cuda_graphs={"on": True, "off": False}.get(spec.cuda_graphs, "auto"),
                        max_clients=max(64, spec.worker_num + 8))
 
 
@@ -367,7 +367,8 @@ def parse_args(argv=None):
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", choices=("float32", "float16"), default="float32")
     ap.add_argument("--gather", choices=("auto", "host", "device"), default="auto")
-    ap.add_argument("--cuda_graphs", action="store_true", help="capture CUDA graphs per batch size")
+    ap.add_argument("--cuda_graphs", choices=("auto", "on", "off"), default="auto",
+                    help="CUDA graphs per bucket of batch sizes (ModelConfig.cuda_graphs; auto: on CUDA)")
     ap.add_argument("--arrival_rate", type=float, default=0.0,
                     help="open loop: Poisson requests/s over all workers (default: closed loop)")
     ap.add_argument("--mps", action="store_true", help="run under a private CUDA MPS daemon")

@@ -1,7 +1,7 @@
 """The two seed commands against their plain-PyTorch baselines, in one run, under CUDA MPS.
 
     python experiments/targets.py [--duration 10] [--warmup 3] [--no-mps] [--json out.json]
-        [--variants gather=host,gather=device]
+        [--variants "cuda_graphs=off;gather=host"]
 
 Runs, in this order and in this process tree: plain 3 x 32, dynamic 128 workers / max batch 32 /
 3 model processes / wait 0.01; plain 2 x 4, dynamic 8 / 4 / 2 / 0.003. Prints each report and

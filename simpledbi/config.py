@@ -68,10 +68,12 @@ class ModelConfig:
     #: copy; "device" = one DMA per request straight from registered shared memory; "auto" picks
     #: "device" on CUDA and "host" on CPU.
     gather: str = "auto"
-    #: CUDA graphs: True, or the batch sizes to capture. A batch is padded up to the next captured
-    #: size and replayed (padding rows never reach a caller). Needs ``input_shapes``; requests of
-    #: other item shapes run eagerly. Only for models whose rows are independent (eval-mode nets).
-    cuda_graphs: Union[bool, Sequence[int]] = False
+    #: CUDA graphs: "auto" (default: capture on CUDA when ``input_shapes`` is given, and fall back
+    #: to eager with a warning if capture fails), True (capture, fail loudly), False, or the batch
+    #: sizes to capture. A batch is padded up to the next captured size and replayed (padding rows
+    #: never reach a caller); requests of other item shapes run eagerly. Like dynamic batching
+    #: itself, this assumes a model's rows are independent of each other (eval-mode networks).
+    cuda_graphs: Union[bool, str, Sequence[int]] = "auto"
     #: Most clients (SharedModel threads) that may attach at once.
     max_clients: int = 512
     #: Seconds a model process may take to load and warm up before Run gives up.
@@ -120,12 +122,14 @@ class ModelConfig:
                 raise ValueError(f"num_threads: expected >= 1, got {self.num_threads}")
         if self.gather not in _GATHER_MODES:
             raise ValueError(f"gather: expected one of {_GATHER_MODES}, got {self.gather!r}")
-        if self.cuda_graphs is not False:
+        if isinstance(self.cuda_graphs, str) and self.cuda_graphs != "auto":
+            raise ValueError(f"cuda_graphs: expected 'auto', True, False or batch sizes, got "
+                             f"{self.cuda_graphs!r}")
+        if self.cuda_graphs is not False and self.cuda_graphs != "auto":
             if self.input_shapes is None:
                 raise ValueError("cuda_graphs: needs input_shapes (the item shapes to capture)")
             if self.cuda_graphs is True:
-                step = max(1, self.max_batch_size // 8)
-                sizes = {1, 2, 4, self.max_batch_size} | set(range(step, self.max_batch_size + 1, step))
+                sizes = set(self._default_graph_sizes())
             else:
                 try:
                     sizes = {int(n) for n in self.cuda_graphs}
@@ -139,6 +143,19 @@ class ModelConfig:
         if not 1 <= self.max_clients <= 65536:
             raise ValueError(f"max_clients: expected 1..65536, got {self.max_clients}")
         _check_type("load_timeout", self.load_timeout, (int, float), "seconds")
+
+    def _default_graph_sizes(self) -> Tuple[int, ...]:
+        step = max(1, self.max_batch_size // 8)
+        sizes = {1, 2, 4, self.max_batch_size} | set(range(step, self.max_batch_size + 1, step))
+        return tuple(sorted(n for n in sizes if n <= self.max_batch_size))
+
+    def graph_batch_sizes(self) -> Tuple[int, ...]:
+        """The batch sizes to capture CUDA graphs for (empty: none)."""
+        if self.cuda_graphs is False or self.input_shapes is None:
+            return ()
+        if self.cuda_graphs == "auto":
+            return self._default_graph_sizes()
+        return tuple(self.cuda_graphs)
 
     def device_of(self, instance: int) -> str:
         """The device string of model process ``instance`` (devices are dealt round-robin)."""

@@ -306,6 +306,14 @@ class Engine:
         """Capture one CUDA graph per batch size in ``sizes`` (sharing one memory pool)."""
         if not self.cuda:
             return
+        try:
+            self._capture(shapes, dtypes, sizes)
+        except BaseException:
+            self._graphs, self._graph_key = {}, None
+            torch.cuda.synchronize(self.device)
+            raise
+
+    def _capture(self, shapes, dtypes, sizes) -> None:
         pool = torch.cuda.graph_pool_handle()
         with torch.inference_mode():
             for n in sorted(sizes, reverse=True):

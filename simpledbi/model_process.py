@@ -179,8 +179,15 @@ class ModelServer:
                                          sorted({self.max_batch, 1}, reverse=True))
             key = shape_key([dtype_code(d) for d in dtypes], self.cfg.input_shapes, 0)
             self._record_spec(key, result.outputs, result.is_tuple)
-            if self.cfg.cuda_graphs:
-                self.engine.capture_graphs(self.cfg.input_shapes, dtypes, self.cfg.cuda_graphs)
+            sizes = self.cfg.graph_batch_sizes()
+            if sizes and self.engine.cuda:
+                try:
+                    self.engine.capture_graphs(self.cfg.input_shapes, dtypes, sizes)
+                except Exception:
+                    if self.cfg.cuda_graphs != "auto":
+                        raise
+                    logger.warning("<%s|%d> CUDA graph capture failed; running eagerly",
+                                   self.cfg.name, self.me, exc_info=True)
         self._last_maintenance = time.monotonic()
         self.ctl.instances[self.me, I_STATE] = INST_READY
 

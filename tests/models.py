@@ -130,3 +130,16 @@ def barrier(prefix: str):
 
 def slow():
     return Slow()
+
+
+class Syncing(nn.Module):
+    """Reads a value back to the host inside forward: CUDA graph capture must fail on it."""
+
+    def forward(self, x):
+        if float(x.sum()) > 1e30:
+            return x
+        return x * 2 + 1
+
+
+def syncing():
+    return Syncing()

@@ -28,6 +28,7 @@ def ok(**kw):
     (dict(input_shapes=[(3,)], input_dtypes=["float32", "int64"]), ValueError, "one dtype per entry"),
     (dict(cuda_graphs=True), ValueError, "needs input_shapes"),
     (dict(max_clients=0), ValueError, "max_clients"),
+    (dict(cuda_graphs="sometimes"), ValueError, "cuda_graphs"),
 ])
 def test_bad_model_config(kw, exc, words):
     with pytest.raises(exc, match=None) as info:
@@ -41,6 +42,11 @@ def test_good_model_config_normalises():
     assert cfg.device_of(0) == "cuda:0" and cfg.device_of(1) == "cuda:1" and cfg.device_of(2) == "cuda:0"
     assert cfg.input_shapes == ((3, 4),) and isinstance(cfg.wait_time, float)
     assert cfg.cuda_graphs == (1, 2, 4, 6, 8, 10, 12, 14, 16)
+    # the default captures on CUDA when item shapes are known, and never without them
+    assert ok(input_shapes=[(3,)], max_batch_size=1).graph_batch_sizes() == (1,)
+    assert ok(input_shapes=[(3,)], max_batch_size=4).graph_batch_sizes() == (1, 2, 3, 4)
+    assert ok().graph_batch_sizes() == ()
+    assert ok(input_shapes=[(3,)], cuda_graphs=False).graph_batch_sizes() == ()
 
 
 def test_bad_runtime_options_and_run_arguments():

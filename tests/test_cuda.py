@@ -73,3 +73,11 @@ def test_cuda_pipelined_batches_under_concurrency(start_runtime, graphs):
     assert errors == [] and not any(t.is_alive() for t in threads)
     assert model.stats()["mean_batch_size"] > 1
     model.close()
+
+
+def test_auto_cuda_graphs_fall_back_to_eager_when_capture_fails(start_runtime):
+    rt = start_runtime(ModelConfig(name="sync", factory=models.syncing, max_batch_size=4, device="cuda",
+                                   input_shapes=[(3,)]))  # cuda_graphs="auto" by default
+    with SharedModel("sync", max_shape=(2, 3), namespace=rt.namespace) as model:
+        x = np.ones((2, 3), np.float32)
+        np.testing.assert_array_equal(model.forward(x), x * 2 + 1)
