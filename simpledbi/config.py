@@ -15,6 +15,7 @@ __all__ = ["ModelConfig", "RuntimeOptions"]
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_\-]{0,47}$")
 _PRECISIONS = ("float32", "float16", "bfloat16")
 _GATHER_MODES = ("auto", "host", "device")
+_AUTO_GRAPH_MAX_ROWS = 8
 
 
 def _check_type(name: str, value: Any, types, expected: str) -> None:
@@ -150,11 +151,14 @@ class ModelConfig:
         return tuple(sorted(n for n in sizes if n <= self.max_batch_size))
 
     def graph_batch_sizes(self) -> Tuple[int, ...]:
-        """The batch sizes to capture CUDA graphs for (empty: none)."""
+        """The batch sizes to capture CUDA graphs for (empty: none). "auto" captures only small
+        batches (up to 8 rows), where launching the kernels costs as much as running them; larger
+        batches run eagerly, since padding them up to a bucket costs more than it saves (measured:
+        128 workers / max batch 32 went from 1.09x to 0.99x of plain PyTorch with all buckets)."""
         if self.cuda_graphs is False or self.input_shapes is None:
             return ()
         if self.cuda_graphs == "auto":
-            return self._default_graph_sizes()
+            return tuple(n for n in self._default_graph_sizes() if n <= _AUTO_GRAPH_MAX_ROWS)
         return tuple(self.cuda_graphs)
 
     def device_of(self, instance: int) -> str:

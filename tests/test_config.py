@@ -46,6 +46,7 @@ def test_good_model_config_normalises():
     assert ok(input_shapes=[(3,)], max_batch_size=1).graph_batch_sizes() == (1,)
     assert ok(input_shapes=[(3,)], max_batch_size=4).graph_batch_sizes() == (1, 2, 3, 4)
     assert ok().graph_batch_sizes() == ()
+    assert ok(input_shapes=[(3,)], max_batch_size=32).graph_batch_sizes() == (1, 2, 4, 8)
     assert ok(input_shapes=[(3,)], cuda_graphs=False).graph_batch_sizes() == ()
 
 
