@@ -5,6 +5,9 @@ import contextlib
 import multiprocessing as mp
 import os
 import secrets
+import threading
+
+import numpy as np
 
 import posix_ipc
 import pytest
@@ -74,6 +77,29 @@ def sem_prefix():
     for s in sems:
         s.unlink()
         s.close()
+
+
+def hammer_affine(model, threads: int, requests: int, max_rows: int, width: int) -> None:
+    """``threads`` threads share ``model`` (an Affine model), each sending ``requests`` random
+    requests of 1..max_rows rows and checking every answer is exactly its own 2x + 1."""
+    errors = []
+
+    def run(seed):
+        rng = np.random.default_rng(seed)
+        try:
+            for _ in range(requests):
+                x = rng.standard_normal((int(rng.integers(1, max_rows + 1)), width)).astype(np.float32)
+                np.testing.assert_array_equal(model.forward(x, timeout=60), x * 2 + 1)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    pool = [threading.Thread(target=run, args=(seed,)) for seed in range(threads)]
+    for t in pool:
+        t.start()
+    for t in pool:
+        t.join(120)
+    assert not any(t.is_alive() for t in pool), "a thread is still waiting"
+    assert errors == [], errors
 
 
 def cpu_model(name: str, factory, **kw) -> ModelConfig:

@@ -8,6 +8,7 @@ import torch
 from simpledbi import ModelConfig, SharedModel
 
 from . import models
+from .conftest import hammer_affine
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -49,28 +50,11 @@ def test_cuda_graphs_pad_and_never_leak_padding(start_runtime):
 
 @pytest.mark.parametrize("graphs", [False, True])
 def test_cuda_pipelined_batches_under_concurrency(start_runtime, graphs):
-    import threading
     kw = dict(input_shapes=[(6,)], cuda_graphs=True) if graphs else {}
     rt = start_runtime(ModelConfig(name="affine", factory=models.affine, max_batch_size=4, model_num=2,
                                    device="cuda", wait_time=0.001, **kw))
     model = SharedModel("affine", max_shape=(2, 6), namespace=rt.namespace)
-    errors = []
-
-    def run(seed):
-        rng = np.random.default_rng(seed)
-        try:
-            for _ in range(300):
-                x = rng.standard_normal((int(rng.integers(1, 3)), 6)).astype(np.float32)
-                np.testing.assert_array_equal(model.forward(x, timeout=60), x * 2 + 1)
-        except BaseException as e:  # noqa: BLE001
-            errors.append(e)
-
-    threads = [threading.Thread(target=run, args=(s,)) for s in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert errors == [] and not any(t.is_alive() for t in threads)
+    hammer_affine(model, threads=8, requests=300, max_rows=2, width=6)
     assert model.stats()["mean_batch_size"] > 1
     model.close()
 

@@ -11,7 +11,7 @@ import torch
 from simpledbi import ModelConfig, Run, SharedModel
 
 from . import models, workers
-from .conftest import FAST, cpu_model
+from .conftest import FAST, cpu_model, hammer_affine
 
 
 @pytest.mark.timeout(120)
@@ -36,24 +36,7 @@ def test_requests_are_batched_under_load():
 def test_threads_sharing_one_handle_get_their_own_results(start_runtime):
     rt = start_runtime(cpu_model("affine", models.affine, max_batch_size=8, wait_time=0.001))
     model = SharedModel("affine", max_shape=(3, 4), namespace=rt.namespace)
-    errors = []
-
-    def run(seed):
-        rng = np.random.default_rng(seed)
-        try:
-            for _ in range(100):
-                x = rng.standard_normal((int(rng.integers(1, 4)), 4)).astype(np.float32)
-                np.testing.assert_array_equal(model.forward(x), x * 2 + 1)
-        except BaseException as e:  # noqa: BLE001
-            errors.append(e)
-
-    threads = [threading.Thread(target=run, args=(s,)) for s in range(6)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not any(t.is_alive() for t in threads)
-    assert errors == []
+    hammer_affine(model, threads=6, requests=100, max_rows=3, width=4)
     assert model.stats()["requests"] >= 600
     model.close()
 
