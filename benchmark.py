@@ -32,8 +32,8 @@ import posix_ipc
 from simpledbi import ModelConfig, RuntimeOptions, SharedModel
 from simpledbi.shm import Segment, new_namespace
 from simpledbi.slots import B_FIELDS
+from simpledbi.stats import STAGES
 
-STAGES = ("queue_wait", "gather", "h2d", "forward", "d2h", "scatter", "runtime")
 
 
 @dataclass(frozen=True)
@@ -346,6 +346,15 @@ def ensure_model(path: str, tiny: bool) -> str:
         print(f"building {path} (first use) ...", file=sys.stderr)
         fake_resnet50.export("models", "torchscript", tiny=tiny, name=name)
     return path
+
+
+def add_experiment_args(ap: argparse.ArgumentParser, duration: float, warmup: float) -> None:
+    """The flags every script in experiments/ shares."""
+    ap.add_argument("--duration", type=float, default=duration, help="measurement window, seconds")
+    ap.add_argument("--warmup", type=float, default=warmup, help="seconds before the window")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--model_path", default="", help="TorchScript/.pt2 file (default: fake ResNet-50)")
+    ap.add_argument("--tiny", action="store_true", help="use the small test ResNet (CPU smoke runs)")
 
 
 def parse_args(argv=None):

@@ -19,20 +19,16 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", default="curve")
     ap.add_argument("--rates", default="500,1000,2000,3000,4000,5000,6000")
-    ap.add_argument("--duration", type=float, default=4.0)
-    ap.add_argument("--warmup", type=float, default=1.5)
-    ap.add_argument("--device", default="cuda")
+    benchmark.add_experiment_args(ap, duration=4.0, warmup=1.5)
     ap.add_argument("--dynamic_workers", type=int, default=128)
     ap.add_argument("--plain_workers", type=int, default=16)
-    ap.add_argument("--model_path", default="")
-    ap.add_argument("--tiny", action="store_true")
-    ap.add_argument("--no-mps", dest="mps", action="store_true")
+    ap.add_argument("--no-mps", dest="mps", action="store_false")
     a = ap.parse_args()
     path = benchmark.ensure_model(a.model_path, a.tiny)
     common = dict(model_path=path, duration=a.duration, warmup=a.warmup, device=a.device,
                   image_size=64 if a.tiny else 224)
     rows = []
-    with benchmark.mps_daemon(not a.mps):
+    with benchmark.mps_daemon(a.mps):
         for rate in [float(r) for r in a.rates.split(",")]:
             for mode, spec in (
                     ("dynamic", benchmark.BenchSpec(worker_num=a.dynamic_workers, max_batch_size=32,

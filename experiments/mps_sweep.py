@@ -59,11 +59,7 @@ def plot(rows, path):
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", default="sweep")
-    ap.add_argument("--duration", type=float, default=4.0)
-    ap.add_argument("--warmup", type=float, default=2.0)
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--model_path", default="")
-    ap.add_argument("--tiny", action="store_true")
+    benchmark.add_experiment_args(ap, duration=4.0, warmup=2.0)
     ap.add_argument("--mps", default="off,on", help="which of off,on to run")
     a = ap.parse_args()
     path = benchmark.ensure_model(a.model_path, a.tiny)

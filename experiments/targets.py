@@ -40,11 +40,7 @@ def _parse(current, text: str):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--duration", type=float, default=10.0)
-    ap.add_argument("--warmup", type=float, default=3.0)
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--model_path", default="")
-    ap.add_argument("--tiny", action="store_true")
+    benchmark.add_experiment_args(ap, duration=10.0, warmup=3.0)
     ap.add_argument("--no-mps", dest="mps", action="store_false")
     ap.add_argument("--variants", default="",
                     help="extra dynamic runs: ';'-separated, each a ','-separated list of field=value")

@@ -177,7 +177,6 @@ class RuntimeOptions:
 
     poll_interval: float = 0.5
     join_timeout: float = 10.0
-    shm_dir: str = "/dev/shm"
 
     def __post_init__(self):
         _check_type("poll_interval", self.poll_interval, (int, float), "seconds")

@@ -291,7 +291,7 @@ class ModelServer:
         self.peers[slot] = peer
         return peer
 
-    def _claim(self, order: np.ndarray, key: int, room: int, batch: List[_Request]) -> int:
+    def _claim(self, order: np.ndarray, room: int, batch: List[_Request]) -> int:
         """Claim requests of ``order`` (one key group, oldest first) that fit in ``room`` rows."""
         table = self.ctl.table
         taken = 0
@@ -328,7 +328,7 @@ class ModelServer:
             return []
         key, order = batching.oldest_group(pending, table[T_KEY], t_pub)
         batch: List[_Request] = []
-        rows = self._claim(order, key, self.max_batch, batch)
+        rows = self._claim(order, self.max_batch, batch)
         if not batch:
             return []
         oldest = min(r.t_publish for r in batch)
@@ -338,7 +338,7 @@ class ModelServer:
             same = np.flatnonzero((states == PUBLISHED) & (table[T_KEY] == key))
             if same.size:  # newcomers of our shape: take what fits
                 order = same[np.argsort(t_pub[same], kind="stable")]
-                rows += self._claim(order, key, self.max_batch - rows, batch)
+                rows += self._claim(order, self.max_batch - rows, batch)
                 states = table[T_STATE]
                 same = np.flatnonzero((states == PUBLISHED) & (table[T_KEY] == key))
             # A same-shape request still waiting did not fit: the batch is as full as it gets.
