@@ -26,7 +26,7 @@ def test_many_workers_each_get_their_own_results():
 @pytest.mark.timeout(120)
 def test_requests_are_batched_under_load():
     # A long wait_time: a batch closes only when full or when every attached client is pending.
-    stats = Run(target=workers.load_worker, worker_num=6, args=(40,),
+    stats = Run(target=workers.load_worker, worker_num=6, args=(40, 6),
                 models=[cpu_model("slow", models.slow, max_batch_size=6, wait_time=5.0)], options=FAST)
     final = max(stats, key=lambda s: s["requests"])
     assert final["mean_batch_size"] > 2.0, final

@@ -2,9 +2,13 @@
 on a 2-core machine would cost more than the tests themselves."""
 from __future__ import annotations
 
+import threading
+import time
+
 import numpy as np
 
 from simpledbi import SharedModel
+from simpledbi.slots import T_ATTACHED
 
 
 def affine_worker(rank, n_requests, max_rows, seed):
@@ -19,8 +23,13 @@ def affine_worker(rank, n_requests, max_rows, seed):
     return n_requests
 
 
-def load_worker(rank, n_requests):
+def load_worker(rank, n_requests, n_workers):
     model = SharedModel("slow", max_shape=(1, 256))
+    # Start line: wait until every worker has attached, so the load really overlaps (on a busy
+    # 2-core machine one worker can otherwise finish before the next one has even started).
+    deadline = time.monotonic() + 60
+    while np.count_nonzero(model.ctl.table[T_ATTACHED]) < n_workers and time.monotonic() < deadline:
+        threading.Event().wait(0.01)  # a bounded wait on a shared-memory condition
     rng = np.random.default_rng(rank)
     for _ in range(n_requests):
         x = rng.standard_normal((1, 256)).astype(np.float32)
