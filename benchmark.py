@@ -31,7 +31,7 @@ import posix_ipc
 
 from simpledbi import ModelConfig, RuntimeOptions, SharedModel
 from simpledbi.shm import Segment, new_namespace
-from simpledbi.slots import B_FIELDS
+from simpledbi.layout import B_FIELDS
 from simpledbi.stats import STAGES
 
 

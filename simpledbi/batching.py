@@ -30,14 +30,17 @@ def oldest_group(pending: np.ndarray, keys: np.ndarray, t_publish: np.ndarray) -
     return key, same[np.argsort(t_publish[same], kind="stable")]
 
 
-def take_fitting(order: np.ndarray, rows: np.ndarray, room: int) -> List[int]:
+def take_fitting(order: np.ndarray, rows: np.ndarray, room: int, indexed: bool = True) -> List[int]:
     """The longest prefix of ``order`` whose rows fit in ``room`` (arrival order is kept: a request
-    that does not fit waits for the next batch rather than being overtaken indefinitely)."""
+    that does not fit waits for the next batch rather than being overtaken indefinitely).
+    ``rows`` is indexed by slot, or (``indexed=False``) already in the order of ``order``."""
     if room <= 0 or order.size == 0:
         return []
+    if not indexed:
+        rows = rows if rows.shape == order.shape else rows[:order.size]
     if order.size == 1:
-        return [int(order[0])] if rows[order[0]] <= room else []
-    cum = np.cumsum(rows[order])
+        return [int(order[0])] if (rows[order[0]] if indexed else rows[0]) <= room else []
+    cum = np.cumsum(rows[order] if indexed else rows)
     n = int(np.searchsorted(cum, room, side="right"))
     return [int(s) for s in order[:n]]
 

@@ -1,10 +1,11 @@
 """What runs in the caller: ``SharedModel``, a PyTorch-looking handle on a served model.
 
-One :class:`_Slot` per (SharedModel, thread): its own input segment sized from ``max_shape``, its
-own output segment sized from the model's output shapes, and two semaphores (``rdy``: request
-ready, the token a model process claims; ``don``: response done). The request path is: validate
--> copy inputs into the slot -> publish (numpy stores + two semaphore posts) -> sleep on ``don``
--> copy outputs out. See NOTE [slot protocol] in slots.py.
+A handle lends *slots* (NOTE [slot protocol] in slots.py) to calls: a call borrows an idle slot
+from the handle's pool (or attaches a new one), publishes, sleeps on the slot's ``don``
+semaphore, reads its outputs and gives the slot back. Slots belong to the handle, not to threads,
+so a web server's thread pool that retires and creates threads never leaks them: a handle holds
+as many slots as it ever had calls in flight at once (plus those owed a late answer after a
+timeout, which are lent again only once it has arrived).
 """
 from __future__ import annotations
 
@@ -21,15 +22,12 @@ import posix_ipc
 
 from . import stats as _stats
 from .errors import ModelError, ModelProcessDied, RuntimeStopped
-from .shm import Segment, create_semaphore, list_namespace, open_semaphore, pid_alive, unlink_sem
-from .slots import (
-    BROKEN, DATA_OFFSET, DESC_WORDS, F_BATCH_ROWS, F_CLOSE, F_DONE, F_PUBLISH, FLAG_PROBE, FREE, I_PID, IDLE,
-    MAX_IO, MAX_NDIM, P_DESC, P_NOUT, P_OUT_BYTES, P_SEQ, P_STATUS, P_TUPLE,
-    NEW, PUBLISHED, R_DESC, R_FLAGS, R_NIN, R_ROWS, R_SEQ, ST_BAD_REQUEST, ST_MODEL_ERROR, ST_OK,
-    ST_STOPPED, STOPPING, CLAIMED, H_MAX_BATCH, T_ATTACHED, T_CLAIMER, T_GEN, T_KEY, T_OWNER,
-    T_ROWS, T_SEQ, T_STATE, ControlBlock, SlotViews, align, code_dtype, ctl_name, desc_view,
-    doorbell_name, dtype_code, read_desc, sem_name, shape_key, slot_name, write_desc,
+from .layout import (
+    BROKEN, MAX_IO, MAX_NDIM, OUT_TUPLE, ST_BAD_REQUEST, ST_INTERNAL, ST_MODEL_ERROR, ST_OK, ST_STOPPED,
+    STOPPING, ControlBlock, SlotTable, code_dtype, doorbell_name, dtype_code,
 )
+from .shm import SHM_DIR, open_semaphore, pid_alive
+from .slots import ClientSlot
 
 logger = logging.getLogger(__name__)
 
@@ -77,8 +75,8 @@ class SharedModel:
 
     ``max_shape`` is the largest request this client will send, rows first; requests may be
     smaller in every dimension. Give a list of shapes for a model with several inputs, and
-    ``dtype`` (one, or one per input) when inputs are not float32. Safe to share between threads:
-    each thread gets its own slot.
+    ``dtype`` (one, or one per input) when inputs are not float32. Safe to share between threads
+    and to keep across ``fork`` (a child gets slots of its own).
     """
 
     def __init__(self, name: str, max_shape, dtype=None, *, namespace: Optional[str] = None,
@@ -101,39 +99,34 @@ class SharedModel:
         if any(s[0] != self.max_rows for s in self.max_shapes):
             raise ValueError(f"max_shape: every input needs the same row count, got "
                              f"{[s[0] for s in self.max_shapes]}")
+        if not (isinstance(poll_interval, (int, float)) and 0.001 <= poll_interval <= 60):
+            raise ValueError(f"poll_interval: expected 0.001..60 seconds, got {poll_interval!r}")
         self.poll_interval = float(poll_interval)
         self.namespace = namespace or os.environ.get(ENV_NAMESPACE)
         if not self.namespace:
             raise LookupError("no simpledbi runtime here: create SharedModel inside a worker "
                               f"started by simpledbi.Run, or pass namespace= (or set ${ENV_NAMESPACE})")
-        try:
-            self.ctl = ControlBlock.attach(ctl_name(self.namespace, name))
-            self.doorbell = open_semaphore(doorbell_name(self.namespace, name))
-        except posix_ipc.ExistentialError:
-            available = sorted({e.split(".")[1] for e in list_namespace(self.namespace)
-                                if e.endswith(".ctl")})
-            raise LookupError(f"no model named {name!r} in runtime {self.namespace}; available: "
-                              f"{available}") from None
-        max_batch = int(self.ctl.header[H_MAX_BATCH])
+        self._h = _Handles.open(self.namespace, name)
+        max_batch = int(self._h.ctl.hdr["max_batch"])
         if self.max_rows > max_batch:
-            self.ctl.close()
-            self.doorbell.close()
+            self._h.release()
             raise ValueError(f"max_shape has {self.max_rows} rows but model {name!r} has "
                              f"max_batch_size={max_batch}: a request must fit in one batch")
         self._local = threading.local()
-        self._slots: List[_Slot] = []
-        self._lock = threading.Lock()
         self._closed = False
         # Detach on close(), at worker exit, or when the handle is garbage-collected: an attached
         # but unused slot would make model processes wait for a request that never comes.
-        self._finalizer = weakref.finalize(self, _release, self._slots, self.doorbell, self.ctl,
-                                           os.getpid())
+        self._finalizer = weakref.finalize(self, self._h.release)
         _live_clients.add(self)
         try:
-            self._slot()  # attach now so setup errors surface at construction
+            self._h.give_back(self._h.borrow(self))  # attach one slot now: setup errors surface here
         except BaseException:
             self.close()
             raise
+
+    @property
+    def ctl(self) -> ControlBlock:
+        return self._h.ctl
 
     # ------------------------------------------------------------ public API
     def forward(self, *inputs, timeout: Optional[float] = None):
@@ -145,11 +138,17 @@ class SharedModel:
         arrays, as_torch = self._validate(inputs)
         if timeout is not None and not (isinstance(timeout, (int, float)) and timeout >= 0):
             raise ValueError(f"timeout: expected None or seconds >= 0, got {timeout!r}")
-        outs, is_tuple = self._slot().call(arrays, timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        h = self._h
+        slot = h.borrow(self)
+        try:
+            outs, structure = self._call(slot, arrays, deadline)
+        finally:
+            h.give_back(slot)
         if as_torch:
             torch = sys.modules["torch"]
             outs = [torch.from_numpy(o) for o in outs]
-        return tuple(outs) if is_tuple else outs[0]
+        return tuple(outs) if structure == OUT_TUPLE else outs[0]
 
     __call__ = forward
 
@@ -157,18 +156,26 @@ class SharedModel:
         """Where the calling thread's last request spent its time (seconds, ``time.monotonic``
         clock): ``published``, ``batch_closed`` (its batch started), ``done`` (its result was
         written), ``woken`` (this thread resumed), and ``batch_rows``."""
-        return self._slot().timing()
+        last = getattr(self._local, "last", None)
+        if last is None:
+            raise RuntimeError("no request has completed on this thread yet")
+        slot, seq = last
+        if slot.seg is None or not slot.answered(seq):
+            raise RuntimeError("this thread's last request is no longer on record (its slot has "
+                               "served another call since)")
+        slot.response()
+        return slot.timing()
 
     def stats(self) -> dict:
         """Counters of the whole model (all its processes): requests, batches, mean_batch_size, ..."""
-        return _stats.summarize(self.ctl)
+        return _stats.summarize(self._h.ctl)
 
     def close(self) -> None:
-        """Detach every slot of this handle and remove its shared memory. Idempotent."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
+        """Detach every slot of this handle and remove its shared memory. Idempotent. Calls in
+        flight on other threads end with ``RuntimeStopped``."""
+        if self._closed:
+            return
+        self._closed = True
         _live_clients.discard(self)
         self._finalizer()
 
@@ -181,17 +188,98 @@ class SharedModel:
     def __repr__(self):
         return f"SharedModel({self.name!r}, max_shape={self.max_shapes}, namespace={self.namespace!r})"
 
-    # ------------------------------------------------------------ internals
-    def _slot(self) -> "_Slot":
-        slot = getattr(self._local, "slot", None)
-        if slot is None or slot.pid != os.getpid():  # new thread, or a forked child
-            if self._closed:
-                raise RuntimeStopped(f"SharedModel({self.name!r}) is closed")
-            slot = _Slot(self)
-            with self._lock:
-                self._slots.append(slot)
-            self._local.slot = slot
-        return slot
+    # ------------------------------------------------------------ one call
+    def _call(self, slot: ClientSlot, arrays: List[np.ndarray], deadline: Optional[float]):
+        ctl = self._h.ctl
+        if ctl.state >= STOPPING:
+            self._raise_runtime_state()
+        seq = slot.publish(arrays)
+        poll = self.poll_interval
+        while True:
+            wait = poll
+            if deadline is not None:
+                wait = min(poll, deadline - time.monotonic())
+                if wait <= 0:
+                    self._on_timeout(slot, seq)
+            if slot.wait(seq, wait):
+                break
+            if slot.interrupted:
+                if not slot.withdraw():
+                    slot.stale_seq = seq
+                raise RuntimeStopped(f"SharedModel({self.name!r}) was closed while this call waited")
+            self._check_alive(slot, seq)
+        status, text, structure = slot.response()
+        slot.mark_idle()
+        if status != ST_OK:
+            self._raise_status(status, text)
+        outs = slot.outputs()
+        self._local.last = (slot, seq)
+        return outs, structure
+
+    def _on_timeout(self, slot: ClientSlot, seq: int):
+        if slot.withdraw():
+            raise TimeoutError(f"model {self.name!r}: no result within the timeout (the request "
+                               f"was withdrawn before any model process took it)")
+        slot.stale_seq = seq
+        raise TimeoutError(f"model {self.name!r}: no result within the timeout; the request is "
+                           f"being computed and its late result will be discarded")
+
+    def _check_alive(self, slot: ClientSlot, seq: int) -> None:
+        """After a poll interval without an answer: is anyone still going to answer?"""
+        ctl = self._h.ctl
+        state = ctl.state
+        if state == BROKEN:
+            self._raise_runtime_state()
+        supervisor = int(ctl.hdr["supervisor_pid"])
+        if supervisor and not pid_alive(supervisor):
+            if not slot.withdraw():
+                slot.stale_seq = seq
+            raise RuntimeStopped(f"model {self.name!r}: the runtime (pid {supervisor}) is gone")
+        claim = slot.claimed_by(seq)
+        if claim is not None:
+            slot.lost_at = 0.0
+            instance, pid = claim
+            if not pid_alive(pid):
+                raise ModelProcessDied(f"model {self.name!r}: model process {instance} (pid {pid}) "
+                                       f"died while computing this request")
+            return
+        if state == STOPPING:
+            if slot.withdraw():
+                self._raise_runtime_state()
+            return
+        if slot.ready.value == 0:
+            # Taken, but no claim recorded: either it is being recorded right now (microseconds),
+            # or the model process died between taking and recording it.
+            now = time.monotonic()
+            if not slot.lost_at:
+                slot.lost_at = now
+            elif now - slot.lost_at >= self.poll_interval:
+                slot.stale_seq = seq
+                raise ModelProcessDied(f"model {self.name!r}: the model process that took this "
+                                       f"request stopped before recording it")
+            return
+        slot.lost_at = 0.0
+        slot.repair_hint(seq)
+
+    def _raise_runtime_state(self):
+        ctl = self._h.ctl
+        if ctl.state == BROKEN:
+            raise ModelProcessDied(ctl.message() or f"model {self.name!r}: the runtime is broken",
+                                   int(ctl.hdr["broken_code"]) or None)
+        raise RuntimeStopped(f"model {self.name!r}: the runtime is shutting down")
+
+    def _raise_status(self, status: int, text: str) -> None:
+        if status in (ST_MODEL_ERROR, ST_INTERNAL):
+            type_name, _, rest = text.partition("\n")
+            message, _, tb = rest.partition("\n")
+            where = "raised" if status == ST_MODEL_ERROR else "failed internally with"
+            raise ModelError(f"model {self.name!r} {where} {type_name}: {message}",
+                             remote_type=type_name, remote_traceback=tb)
+        if status == ST_BAD_REQUEST:
+            raise ValueError(f"model {self.name!r} rejected the request: {text}")
+        if status == ST_STOPPED:
+            raise RuntimeStopped(f"model {self.name!r}: {text or 'runtime stopped'}")
+        raise ModelProcessDied(f"model {self.name!r}: unknown response status {status}: {text}")
 
     def _validate(self, inputs) -> Tuple[List[np.ndarray], bool]:
         if len(inputs) != len(self.max_shapes):
@@ -230,318 +318,108 @@ class SharedModel:
         return arrays, as_torch
 
 
-def _release(slots: list, doorbell, ctl, owner_pid: int) -> None:
-    if os.getpid() == owner_pid:
-        for slot in slots:
-            slot.detach()
-    slots.clear()
-    doorbell.close()
-    ctl.close()
 
 
-class _Slot:
-    """One thread's request slot: segments, semaphores and the client half of the protocol."""
+class _Handles:
+    """What a SharedModel holds: the model's control block (read-only), slot table, doorbell
+    and the slot pool. Separate from the SharedModel so its finalizer can reach it."""
 
-    def __init__(self, client: SharedModel):
-        # No reference back to the SharedModel: its finalizer holds the slots, and a cycle would
-        # keep the handle alive forever.
-        self.name, self.namespace = client.name, client.namespace
-        self.poll_interval, self.doorbell = client.poll_interval, client.doorbell
+    def __init__(self, namespace: str, name: str, ctl: ControlBlock, table: SlotTable, doorbell):
+        self.namespace, self.name = namespace, name
+        self.ctl, self.table, self.doorbell = ctl, table, doorbell
         self.pid = os.getpid()
-        # close() may come from another thread while this slot's thread waits inside a call:
-        # then the detach is left to that thread (closing a semaphore under a waiter crashes).
-        self._guard = threading.Lock()
-        self._busy = self._detach_pending = False
-        self.ctl = client.ctl
-        ns, name = client.namespace, client.name
-        self.index, self.ready = self._take_index(ns, name)
-        self.done = None
-        self.in_seg = self.out_seg = self.views = None
+        self.lock = threading.Lock()
+        self.idle: List[ClientSlot] = []
+        self.stale: List[ClientSlot] = []
+        self.busy: set = set()
+        self.closed = False
+
+    @classmethod
+    def open(cls, namespace: str, name: str) -> "_Handles":
         try:
-            self.done_name = sem_name(ns, name, self.index, "don")
-            unlink_sem(self.done_name)  # a leftover of a crashed owner, if any
-            self.done = create_semaphore(self.done_name)
-            table = self.ctl.table
-            self.gen = int(table[T_GEN, self.index]) + 1
-            offsets, size = [], DATA_OFFSET
-            for s, dt in zip(client.max_shapes, client.dtypes):
-                nbytes = align(int(np.prod(s)) * dt.itemsize, 64)
-                offsets.append((size, nbytes))
-                size += nbytes
-            self.in_seg = Segment(slot_name(ns, name, self.index, self.gen, "in"), size, create=True)
-            self.views = SlotViews(self.in_seg)
-            w = self.views.words
-            w[R_NIN] = len(client.max_shapes)
-            for k, ((off, cap), s, dt) in enumerate(zip(offsets, client.max_shapes, client.dtypes)):
-                write_desc(desc_view(w, R_DESC, k), dtype_code(dt), s[1:], off, cap)
-            self.seq = 0
-            self.stale_seq = 0
-            self.woken = 0.0
-            self._inputs = [(dt, off) for (off, _), dt in zip(offsets, client.dtypes)]
-            self._codes = [dtype_code(dt) for dt in client.dtypes]
-            self._in_views = {}    # (k, shape) -> view of the input region
-            self._out_views = {}   # (j, dtype code, shape) -> view of the output region
-            self._keys = {}        # (item shapes, flags) -> batching key
-            table[T_OWNER, self.index] = self.pid
-            table[T_STATE, self.index] = NEW
-            table[T_GEN, self.index] = self.gen
-            table[T_ATTACHED, self.index] = 1
-            self._setup_outputs(client, ns, name)
+            ctl = ControlBlock.attach(namespace, name, readonly=True)
+        except FileNotFoundError:
+            try:
+                available = sorted(e[:-4] for e in os.listdir(os.path.join(SHM_DIR, namespace))
+                                   if e.endswith(".ctl"))
+            except OSError:
+                raise LookupError(f"no simpledbi runtime {namespace!r} is running here") from None
+            raise LookupError(f"no model named {name!r} in runtime {namespace}; available: "
+                              f"{available}") from None
+        try:
+            table = SlotTable.attach(namespace, name, ctl.max_slots)
+            try:
+                doorbell = open_semaphore(doorbell_name(namespace, name))
+            except BaseException:
+                table.close()
+                raise
         except BaseException:
-            self.detach()
+            ctl.close()
             raise
+        return cls(namespace, name, ctl, table, doorbell)
 
-    def _take_index(self, ns: str, name: str):
-        """Slot allocation without a lock: creating the slot's ready semaphore with
-        O_CREAT|O_EXCL succeeds for exactly one process."""
-        table = self.ctl.table
-        for i in range(self.ctl.max_slots):
-            if table[T_ATTACHED, i]:
-                continue
-            try:
-                return i, create_semaphore(sem_name(ns, name, i, "rdy"))
-            except posix_ipc.ExistentialError:
-                continue
-        raise RuntimeError(f"model {name!r}: all {self.ctl.max_slots} client slots are in use "
-                           f"(raise ModelConfig.max_clients)")
-
-    def _setup_outputs(self, client: SharedModel, ns: str, name: str) -> None:
-        codes = [dtype_code(d) for d in client.dtypes]
-        key = shape_key(codes, [s[1:] for s in client.max_shapes], 0)
-        spec = self._find_spec(key)
-        if spec is None:  # ask a model process: one row at the maximal item shape
-            rows = [np.zeros((1, *s[1:]), dt) for s, dt in zip(client.max_shapes, client.dtypes)]
-            self._publish(rows, FLAG_PROBE)
-            self._await(self.seq, None)
-            w = self.views.words
-            self._check_status(int(w[P_STATUS]))
-            spec = (int(w[P_NOUT]), bool(w[P_TUPLE]),
-                    [read_desc(desc_view(w, P_DESC, j)) for j in range(int(w[P_NOUT]))])
-            spec = (spec[0], spec[1], [(dt, shp[1:]) for dt, shp, _, _ in spec[2]])
-            self.ctl.table[T_STATE, self.index] = NEW
-        n_out, self.is_tuple, outs = spec
-        self.n_out = n_out
-        size, w = 0, self.views.words
-        for j, (dt, item) in enumerate(outs):
-            cap = align(client.max_rows * int(np.prod(item, dtype=np.int64)) * dt.itemsize, 64)
-            write_desc(desc_view(w, P_DESC, j), dtype_code(dt), (client.max_rows, *item), size, cap)
-            size += cap
-        w[P_OUT_BYTES] = max(size, 64)
-        self.out_seg = Segment(slot_name(ns, name, self.index, self.gen, "out"), max(size, 64),
-                               create=True)
-
-    def _find_spec(self, key: int):
-        specs = self.ctl.specs
-        hits = np.argwhere((specs[:, :, 0] == key) & (specs[:, :, 3] == 1))
-        if hits.size == 0:
-            return None
-        row = specs[hits[0][0], hits[0][1]].copy()
-        if row[0] != key or row[3] != 1:  # overwritten meanwhile
-            return None
-        n_out = int(row[1])
-        outs = []
-        for j in range(n_out):
-            dt, item, _, _ = read_desc(desc_view(row, 4, j))
-            outs.append((dt, item))
-        return n_out, bool(row[2]), outs
-
-    # ------------------------------------------------------------ request path
-    def call(self, arrays: List[np.ndarray], timeout: Optional[float]):
-        with self._guard:
-            if self.ready is None or self._detach_pending:
+    def borrow(self, client: SharedModel) -> ClientSlot:
+        with self.lock:
+            if self.closed:
                 raise RuntimeStopped(f"SharedModel({self.name!r}) is closed")
-            self._busy = True
-        try:
-            return self._call(arrays, timeout)
-        finally:
-            with self._guard:
-                self._busy = False
-                pending = self._detach_pending
-            if pending:
-                self._detach_now()
+            if os.getpid() != self.pid:
+                self._forked()
+            if self.idle:
+                slot = self.idle.pop()
+                self.busy.add(slot)
+                return slot
+            for slot in self.stale:
+                if slot.settled():
+                    self.stale.remove(slot)
+                    slot.stale_seq = 0
+                    slot.mark_idle()
+                    self.busy.add(slot)
+                    return slot
+        slot = ClientSlot(self.namespace, self.name, self.ctl, self.table, self.doorbell,
+                          client.max_shapes, client.dtypes)
+        with self.lock:
+            if not self.closed:
+                self.busy.add(slot)
+                return slot
+        slot.detach()
+        raise RuntimeStopped(f"SharedModel({self.name!r}) is closed")
 
-    def _call(self, arrays: List[np.ndarray], timeout: Optional[float]):
-        deadline = None if timeout is None else time.monotonic() + timeout
-        if self.stale_seq:
-            self._await(self.stale_seq, deadline)  # drain the late answer of a timed-out call
-            self.stale_seq = 0
-            self.ctl.table[T_STATE, self.index] = IDLE
-        self._publish(arrays, 0)
-        seq = self.seq
-        self._await(seq, deadline)
-        w = self.views.words
-        status = int(w[P_STATUS])
-        self.ctl.table[T_STATE, self.index] = IDLE
-        self._check_status(status)
-        n_out = int(w[P_NOUT])
-        if n_out != self.n_out:
-            raise ModelError(f"model {self.name!r} returned {n_out} outputs, expected "
-                             f"{self.n_out} (as at its first call)")
-        outs = []
-        for j in range(n_out):
-            d = w[P_DESC + j * DESC_WORDS: P_DESC + (j + 1) * DESC_WORDS]
-            cache_key = (j, *d[:4 + int(d[1])].tolist())
-            view = self._out_views.get(cache_key)
-            if view is None:
-                dt, shape, off, _ = read_desc(d)
-                view = self._out_views[cache_key] = self.out_seg.ndarray(off, dt, shape)
-            outs.append(view.copy())
-        return outs, self.is_tuple
-
-    def _publish(self, arrays: List[np.ndarray], flags: int) -> None:
-        state = self.ctl.state
-        if state >= STOPPING:
-            self._raise_runtime_state()
-        w = self.views.words
-        for k, x in enumerate(arrays):
-            view = self._in_views.get((k, x.shape))
-            if view is None:
-                dt, off = self._inputs[k]
-                view = self._in_views[(k, x.shape)] = self.in_seg.ndarray(off, dt, x.shape)
-                if len(self._in_views) > 256:  # many distinct shapes: keep the cache bounded
-                    self._in_views.clear()
-            np.copyto(view, x)
-            base = R_DESC + k * DESC_WORDS
-            nd = x.ndim - 1
-            w[base + 1] = nd
-            w[base + 4: base + 4 + nd] = x.shape[1:]
-        rows = arrays[0].shape[0]
-        items = tuple(x.shape[1:] for x in arrays)
-        key = self._keys.get((items, flags))
-        if key is None:
-            key = self._keys[(items, flags)] = shape_key(self._codes, items, flags)
-        self.seq += 1
-        w[R_ROWS] = rows
-        w[R_FLAGS] = flags
-        w[R_SEQ] = self.seq
-        now = time.monotonic()
-        self.views.floats[F_PUBLISH] = now
-        table, i = self.ctl.table, self.index
-        table[T_ROWS, i] = rows
-        table[T_KEY, i] = key
-        table[T_SEQ, i] = self.seq
-        self.ctl.t_publish[i] = now
-        table[T_STATE, i] = PUBLISHED
-        self.ready.release()
-        self.doorbell.release()
-
-    def _await(self, seq: int, deadline: Optional[float]) -> None:
-        """Sleep until the response to ``seq`` is written; check liveness at every poll interval."""
-        poll = self.poll_interval
-        w = self.views.words
-        while True:
-            wait = poll
-            if deadline is not None:
-                wait = min(poll, deadline - time.monotonic())
-                if wait <= 0:
-                    self._on_timeout(seq)
-            try:
-                self.done.acquire(max(wait, 0.0))
-                woke = True
-            except posix_ipc.BusyError:
-                woke = False
-            if int(w[P_SEQ]) == seq:
-                if not woke:  # written, but its post is still to come (or was lost): absorb it
-                    try:
-                        self.done.acquire(0)
-                    except posix_ipc.BusyError:
-                        pass
-                self.woken = time.monotonic()
+    def give_back(self, slot: ClientSlot) -> None:
+        with self.lock:
+            self.busy.discard(slot)
+            if not self.closed:
+                (self.stale if slot.stale_seq else self.idle).append(slot)
                 return
-            self._check_alive(seq)
+            last = not self.busy
+        slot.detach()
+        if last:
+            self._close_shared()
 
-    def timing(self) -> dict:
-        f = self.views.floats
-        return {"published": float(f[F_PUBLISH]), "batch_closed": float(f[F_CLOSE]),
-                "done": float(f[F_DONE]), "woken": self.woken, "batch_rows": int(f[F_BATCH_ROWS])}
+    def _forked(self) -> None:
+        """In a forked child: the parent's slots are the parent's (its locks are not ours)."""
+        self.pid = os.getpid()
+        self.lock = threading.Lock()
+        self.idle, self.stale, self.busy = [], [], set()
 
-    def _on_timeout(self, seq: int):
-        try:
-            self.ready.acquire(0)  # withdraw: succeeds only if no model process claimed it
-        except posix_ipc.BusyError:
-            self.stale_seq = seq
-            raise TimeoutError(f"model {self.name!r}: no result within the timeout; the "
-                               f"request is being computed and its late result will be discarded")
-        self.ctl.table[T_STATE, self.index] = IDLE
-        raise TimeoutError(f"model {self.name!r}: no result within the timeout (the request "
-                           f"was withdrawn before any model process took it)")
-
-    def _check_alive(self, seq: int) -> None:
-        ctl = self.ctl
-        if ctl.state == BROKEN:
-            self._raise_runtime_state()
-        table = ctl.table
-        if table[T_STATE, self.index] == CLAIMED:
-            claimer = int(table[T_CLAIMER, self.index])
-            pid = int(ctl.instances[claimer, I_PID])
-            if pid and not pid_alive(pid):
-                raise ModelProcessDied(f"model {self.name!r}: model process {claimer} "
-                                       f"(pid {pid}) died while computing this request")
-        pids = [int(p) for p in ctl.instances[:, I_PID] if p]
-        if pids and not any(pid_alive(p) for p in pids):
-            raise ModelProcessDied(f"model {self.name!r}: no model process is alive")
-        if ctl.state == STOPPING and table[T_STATE, self.index] != CLAIMED:
-            self._raise_runtime_state()
-
-    def _raise_runtime_state(self):
-        state, msg = self.ctl.state, self.ctl.message()
-        if state == BROKEN:
-            raise ModelProcessDied(msg or f"model {self.name!r}: the runtime is broken")
-        raise RuntimeStopped(f"model {self.name!r}: the runtime is shutting down")
-
-    def _check_status(self, status: int) -> None:
-        if status == ST_OK:
+    def release(self) -> None:
+        """Detach idle slots now, busy ones when their call ends (woken with RuntimeStopped)."""
+        with self.lock:
+            if self.closed:
+                return
+            self.closed = True
+            idle, self.idle, self.stale = self.idle + self.stale, [], []
+            busy = list(self.busy)
+        if os.getpid() != self.pid:
             return
-        text = self.views.error_text()
-        if status == ST_MODEL_ERROR:
-            type_name, _, rest = text.partition("\n")
-            message, _, tb = rest.partition("\n")
-            raise ModelError(f"model {self.name!r} raised {type_name}: {message}",
-                             remote_type=type_name, remote_traceback=tb)
-        if status == ST_BAD_REQUEST:
-            raise ValueError(f"model {self.name!r}: {text}")
-        if status == ST_STOPPED:
-            raise RuntimeStopped(f"model {self.name!r}: {text or 'runtime stopped'}")
-        raise ModelProcessDied(f"model {self.name!r}: {text or 'model process died'}")
+        for slot in busy:
+            slot.interrupted = True
+            slot.wake()
+        for slot in idle:
+            slot.detach()
+        if not busy:
+            self._close_shared()
 
-    def detach(self) -> None:
-        """Give the slot back and remove its shared memory (only this slot's creator does this)."""
-        with self._guard:
-            if self._busy:
-                self._detach_pending = True
-                return
-        self._detach_now()
-
-    def _detach_now(self) -> None:
-        ns, name = self.namespace, self.name
-        try:
-            if self.ready is not None:
-                try:
-                    self.ready.acquire(0)  # withdraw a request nobody took
-                except posix_ipc.BusyError:
-                    pass
-            table = self.ctl.table
-            if table is not None and getattr(self, "gen", None) == int(table[T_GEN, self.index]):
-                table[T_ATTACHED, self.index] = 0
-                table[T_STATE, self.index] = FREE
-                table[T_OWNER, self.index] = 0
-        finally:
-            if self.views is not None:
-                self.views.release()
-            for seg in (self.in_seg, self.out_seg):
-                if seg is not None:
-                    seg.close()
-                    seg.unlink()
-            self.in_seg = self.out_seg = self.views = None
-            if self.done is not None:
-                self.done.close()
-                unlink_sem(self.done_name)
-                self.done = None
-            if self.ready is not None:  # last: frees the index for the next client
-                self.ready.close()
-                unlink_sem(sem_name(ns, name, self.index, "rdy"))
-                self.ready = None
-            try:  # one client fewer may let a waiting batch close now
-                self.doorbell.release()
-            except Exception:  # noqa: BLE001 - the runtime is already gone
-                pass
+    def _close_shared(self) -> None:
+        self.doorbell.close()
+        self.table.close()
+        self.ctl.close()

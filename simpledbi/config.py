@@ -79,6 +79,15 @@ class ModelConfig:
     max_clients: int = 512
     #: Seconds a model process may take to load and warm up before Run gives up.
     load_timeout: float = 300.0
+    #: When a forward pass raises for a batch of several requests, retry halves of it until the
+    #: requests that make the model fail are found: only they get ModelError.
+    isolate_errors: bool = True
+    #: A dead model process is restarted after ``restart_backoff`` seconds, doubling per failure
+    #: (at most 10 s); after more than ``max_restarts`` failures within ``restart_window``
+    #: seconds the model is marked broken and every caller gets ModelProcessDied.
+    max_restarts: int = 5
+    restart_window: float = 60.0
+    restart_backoff: float = 0.1
 
     def __post_init__(self):
         _check_type("name", self.name, str, "str")
@@ -144,6 +153,15 @@ class ModelConfig:
         if not 1 <= self.max_clients <= 65536:
             raise ValueError(f"max_clients: expected 1..65536, got {self.max_clients}")
         _check_type("load_timeout", self.load_timeout, (int, float), "seconds")
+        _check_type("isolate_errors", self.isolate_errors, bool, "bool")
+        _check_type("max_restarts", self.max_restarts, int, "int")
+        if self.max_restarts < 0:
+            raise ValueError(f"max_restarts: expected >= 0, got {self.max_restarts}")
+        for field_name in ("restart_window", "restart_backoff"):
+            value = getattr(self, field_name)
+            _check_type(field_name, value, (int, float), "seconds")
+            if not 0 <= value <= 3600:
+                raise ValueError(f"{field_name}: expected 0..3600 seconds, got {value}")
 
     def _default_graph_sizes(self) -> Tuple[int, ...]:
         step = max(1, self.max_batch_size // 8)

@@ -2,11 +2,13 @@
 
 Runs only in model processes (it imports torch). Two data paths:
 
-* CPU: a single request is used in place (a zero-copy view of the client's shared memory);
-  several are ``np.concatenate``-d into a preallocated staging buffer.
+* CPU: each request's rows are read with ``preadv`` from its slot's file descriptor straight
+  into a preallocated staging buffer (one copy, like ``np.concatenate``, but a client that
+  truncates its segment causes a short read -- an error for that client -- never a SIGBUS).
 * CUDA: ``gather="device"`` issues one asynchronous DMA per request straight from the client's
-  shared memory, which is registered once with ``cudaHostRegister`` so it counts as pinned;
-  ``gather="host"`` concatenates into a pinned staging buffer and copies once. Outputs come back
+  shared memory, which is mapped and registered once with ``cudaHostRegister`` so it counts as
+  pinned (the CPU never touches that mapping); ``gather="host"`` reads into a pinned staging
+  buffer and copies once. Outputs come back
   with one copy per output into pinned memory; the caller scatters rows from there.
 
 Timing of each stage is measured with CUDA events on the device (no extra synchronisation) and
@@ -32,6 +34,42 @@ _PRECISION = {"float32": torch.float32, "float16": torch.float16, "bfloat16": to
 
 class BadModelOutput(Exception):
     """The model returned something that cannot be split back into per-request rows."""
+
+
+@dataclass
+class Gather:
+    """What one batch reads: ``sources[k][r] = (fd, offset, nbytes, address)`` is request r's
+    rows of input k (``address`` is 0 unless the segment is mapped and registered for DMA).
+    Requests whose rows could not be read in full are added to ``short``."""
+
+    rows: int
+    items: Tuple[Tuple[int, ...], ...]
+    dtypes: Tuple[np.dtype, ...]
+    sources: List[List[Tuple[int, int, int, int]]]
+    short: set = field(default_factory=set)
+
+
+def _read_into(buf: np.ndarray, sources, short: set) -> None:
+    """preadv each source into consecutive bytes of ``buf``; zero-fill and record short reads."""
+    mv = memoryview(buf).cast("B") if buf.flags.c_contiguous else memoryview(buf.reshape(-1).view(np.uint8))
+    if len(sources) == 1:
+        fd, offset, nbytes, _ = sources[0]
+        try:
+            got = os.preadv(fd, [mv], offset) if nbytes == len(mv) else -1
+        except OSError:
+            got = -1
+        if got == nbytes:
+            return
+    pos = 0
+    for r, (fd, offset, nbytes, _) in enumerate(sources):
+        try:
+            got = os.preadv(fd, [mv[pos:pos + nbytes]], offset)
+        except OSError:
+            got = 0
+        if got != nbytes:
+            mv[pos + got:pos + nbytes] = bytes(nbytes - got)
+            short.add(r)
+        pos += nbytes
 
 
 def resolve_device(device: str) -> torch.device:
@@ -107,6 +145,19 @@ class Engine:
             self.copy_stream = torch.cuda.Stream(self.device)   # host->device
             self._memcpy = _find_memcpy()
 
+    @property
+    def wants_mapping(self) -> bool:
+        """Whether clients' segments should be mapped and registered for per-request DMA."""
+        return self.cuda and self.gather_mode == "device"
+
+    def quiesce(self) -> None:
+        """Wait for all device work (after an internal error dropped a batch in flight)."""
+        if self.cuda:
+            try:
+                torch.cuda.synchronize(self.device)
+            except Exception:  # noqa: BLE001
+                logger.exception("synchronising the device failed")
+
     # ------------------------------------------------------------ memory registration
     def register(self, address: int, size: int) -> bool:
         """Page-lock a client's shared memory so per-request DMAs need no bounce buffer."""
@@ -155,15 +206,29 @@ class Engine:
         return bs.out[j]
 
     # ------------------------------------------------------------ one batch
-    def run(self, parts: Sequence[Sequence[np.ndarray]], registered: Sequence[bool]) -> BatchResult:
-        """``parts[k][r]`` is request r's rows of input k (a view of its shared memory)."""
-        return self.finish(self.launch(parts, registered))
+    def run(self, g: Gather) -> BatchResult:
+        return self.finish(self.launch(g))
 
-    def launch(self, parts, registered) -> "Launched":
+    def launch(self, g: Gather) -> "Launched":
         """Start a batch. On CUDA this only enqueues work (copies on one stream, forward and
         device->host on another) and returns; on the CPU the batch is computed here. At most two
         launched batches may be unfinished at a time (two buffer sets)."""
-        return self.start(self.stage(parts, registered))
+        return self.start(self.stage(g))
+
+    def run_simple(self, g: Gather) -> BatchResult:
+        """Compute a batch synchronously with buffers of its own (poison isolation retries run
+        here, beside whatever the pipelined path has in flight)."""
+        xs = []
+        for k, (item, dt) in enumerate(zip(g.items, g.dtypes)):
+            arr = np.empty((g.rows, *item), dt)
+            _read_into(arr, g.sources[k], g.short)
+            x = torch.from_numpy(arr).to(self.device)
+            if self.cast is not None and x.is_floating_point():
+                x = x.to(self.cast)
+            xs.append(x)
+        outs, is_tuple = _as_list(self.model(*xs))
+        arrays = [_to_numpy(o) for o in outs]
+        return BatchResult(arrays, is_tuple)
 
     def finish(self, launched: "Launched") -> BatchResult:
         """Wait for a launched batch and return its outputs (views of pinned memory, valid until
@@ -179,20 +244,15 @@ class Engine:
                            d2h=ev["fwd_end"].elapsed_time(ev["done"]) / 1e3)
         return BatchResult(arrays, launched.is_tuple, times)
 
-    def _run_cpu(self, parts) -> BatchResult:
+    def _run_cpu(self, g: Gather) -> BatchResult:
         times = BatchTimes()
         t0 = time.perf_counter()
         xs = []
-        for k, views in enumerate(parts):
-            if len(views) == 1:
-                arr = views[0]
-            else:
-                rows = sum(v.shape[0] for v in views)
-                item = views[0].shape[1:]
-                nbytes = rows * views[0][0:1].nbytes
-                buf = self._host_buf(self._sets[0], k, nbytes)
-                arr = buf[:nbytes].view(views[0].dtype).reshape((rows, *item))
-                np.concatenate(views, axis=0, out=arr)
+        for k, (item, dt) in enumerate(zip(g.items, g.dtypes)):
+            nbytes = sum(src[2] for src in g.sources[k])
+            buf = self._host_buf(self._sets[0], k, nbytes)
+            arr = buf[:nbytes].view(dt).reshape((g.rows, *item))
+            _read_into(arr, g.sources[k], g.short)
             xs.append(torch.from_numpy(arr))
         if self.cast is not None:
             xs = [x.to(self.cast) if x.is_floating_point() else x for x in xs]
@@ -200,48 +260,47 @@ class Engine:
         times.gather = t1 - t0
         out = self.model(*xs)  # the model process runs under torch.inference_mode()
         outs, is_tuple = _as_list(out)
-        outs = [o.float() if o.dtype == torch.bfloat16 else o for o in outs]
         t2 = time.perf_counter()
         times.forward = t2 - t1
-        arrays = [o.detach().contiguous().numpy() if o.device.type == "cpu" else o.detach().cpu().numpy()
-                  for o in outs]
+        arrays = [_to_numpy(o) for o in outs]
         times.d2h = time.perf_counter() - t2
         return BatchResult(arrays, is_tuple, times)
 
-    def stage(self, parts, registered) -> "Launched":
+    def stage(self, g: Gather) -> "Launched":
         """First half of :meth:`launch`: claim a buffer set and enqueue the host->device copies
         (on the copy stream, so they overlap whatever the compute stream is running)."""
         if not self.cuda:
-            return Launched(parts=parts)
+            return Launched(gather_in=g)
         bs = self._sets[self._next_set]
         self._next_set ^= 1
         ev = bs.events
         t0 = time.perf_counter()
-        rows = sum(v.shape[0] for v in parts[0])
+        rows = g.rows
         staged = []
         with torch.cuda.stream(self.copy_stream):
             ev["start"].record()
-            for k, views in enumerate(parts):
-                nbytes = rows * views[0][0:1].nbytes
+            for k, (item, dt) in enumerate(zip(g.items, g.dtypes)):
+                sources = g.sources[k]
+                nbytes = sum(src[2] for src in sources)
                 dev = self._dev_buf(bs, k, nbytes)
-                if self.gather_mode == "device" and all(registered):
-                    self._gather_dma(dev, views)
+                if self.gather_mode == "device" and all(src[3] for src in sources):
+                    self._gather_dma(dev, sources)
                 else:
                     if bs.host_copied:  # the last copy out of this pinned buffer must be done
                         ev["copied"].synchronize()
                     buf = self._host_buf(bs, k, nbytes)[:nbytes]
-                    np.concatenate(views, axis=0, out=buf.view(views[0].dtype).reshape((rows, *views[0].shape[1:])))
+                    _read_into(buf, sources, g.short)
                     dev[:nbytes].copy_(torch.from_numpy(buf), non_blocking=True)
                     bs.host_copied = True
-                staged.append((dev[:nbytes], views[0].dtype, views[0].shape[1:]))
+                staged.append((dev[:nbytes], dt, item))
             ev["copied"].record()
         return Launched(events=ev, buffers=bs, staged=staged, rows=rows, gather=time.perf_counter() - t0)
 
     def start(self, launched: "Launched") -> "Launched":
         """Second half of :meth:`launch`: enqueue the forward pass and the device->host copies."""
         if not self.cuda:
-            launched.result = self._run_cpu(launched.parts)
-            launched.parts = None
+            launched.result = self._run_cpu(launched.gather_in)
+            launched.gather_in = None
             return launched
         t0 = time.perf_counter()
         ev, bs, rows = launched.events, launched.buffers, launched.rows
@@ -285,21 +344,21 @@ class Engine:
         launched.started = True
         return launched
 
-    def _gather_dma(self, dev: torch.Tensor, views) -> None:
+    def _gather_dma(self, dev: torch.Tensor, sources) -> None:
         """One host->device DMA per request, straight from its registered shared memory."""
         if self._memcpy is not None:
             stream, dst = self.copy_stream.cuda_stream, dev.data_ptr()
-            for v in views:
-                n = v.nbytes
-                err = self._memcpy(dst, v.ctypes.data, n, 1, stream)  # 1: cudaMemcpyHostToDevice
+            for _, offset, n, address in sources:
+                err = self._memcpy(dst, address + offset, n, 1, stream)  # 1: cudaMemcpyHostToDevice
                 if err:
                     raise RuntimeError(f"cudaMemcpyAsync failed with error {err}")
                 dst += n
             return
+        import ctypes
         pos = 0
-        for v in views:
-            n = v.nbytes
-            dev[pos:pos + n].copy_(torch.from_numpy(v.reshape(-1).view(np.uint8)), non_blocking=True)
+        for _, offset, n, address in sources:
+            host = np.ctypeslib.as_array((ctypes.c_uint8 * n).from_address(address + offset))
+            dev[pos:pos + n].copy_(torch.from_numpy(host), non_blocking=True)
             pos += n
 
     def capture_graphs(self, shapes, dtypes, sizes) -> None:
@@ -349,8 +408,12 @@ class Engine:
         result = None
         for n in batch_sizes:
             for _ in range(3 if self.cuda else 1):
-                views = [[np.zeros((n, *s), dtype=np.dtype(d))] for s, d in zip(shapes, dtypes)]
-                result = self.run(views, [False] * len(views))
+                xs = []
+                for s, d in zip(shapes, dtypes):
+                    x = torch.zeros((n, *s), dtype=_torch_dtype(d), device=self.device)
+                    xs.append(x.to(self.cast) if self.cast is not None and x.is_floating_point() else x)
+                outs, is_tuple = _as_list(self.model(*xs))
+                result = BatchResult([_to_numpy(o) for o in outs], is_tuple)
         return result
 
 
@@ -374,7 +437,7 @@ class Launched:
     result: Optional[BatchResult] = None
     events: dict = field(default_factory=dict)
     buffers: Optional["_BufferSet"] = None
-    parts: Optional[list] = None       # CPU: the inputs, until start() computes the batch
+    gather_in: Optional[Gather] = None  # CPU: the inputs, until start() computes the batch
     staged: Optional[list] = None      # CUDA: (device bytes, dtype, item shape) per input
     rows: int = 0
     hosts: list = field(default_factory=list)
@@ -421,8 +484,23 @@ def _as_list(out: Any) -> Tuple[List[torch.Tensor], bool]:
         return [out], False
     if isinstance(out, (tuple, list)) and out and all(isinstance(o, torch.Tensor) for o in out):
         return list(out), True
+    if isinstance(out, (tuple, list)):
+        kinds = sorted({type(o).__name__ for o in out}) or ["nothing"]
+        raise BadModelOutput(f"expected the model to return a tensor or a tuple/list of tensors, "
+                             f"got a {type(out).__name__} of {', '.join(kinds)}")
     raise BadModelOutput(f"expected the model to return a tensor or a tuple/list of tensors, got "
                          f"{type(out).__name__}")
+
+
+def _to_numpy(o: torch.Tensor) -> np.ndarray:
+    """An output on the host as numpy (bfloat16 becomes float32: numpy has none)."""
+    o = o.detach()
+    if o.dtype == torch.bfloat16:
+        o = o.float()
+    if o.dtype not in _TORCH_TO_NP:
+        raise BadModelOutput(f"output dtype {o.dtype} is not supported; expected one of "
+                             f"{', '.join(str(d) for d in _TORCH_TO_NP)} (cast it in the model)")
+    return (o.contiguous() if o.device.type == "cpu" else o.cpu()).numpy()
 
 
 _NP_TO_TORCH = {
@@ -443,5 +521,5 @@ def _numpy_dtype(dt: torch.dtype) -> np.dtype:
     try:
         return _TORCH_TO_NP[dt]
     except KeyError:
-        raise BadModelOutput(f"output dtype {dt} has no numpy equivalent; cast it in the model "
-                             f"(e.g. .float())") from None
+        raise BadModelOutput(f"output dtype {dt} is not supported; expected one of "
+                             f"{', '.join(str(d) for d in _TORCH_TO_NP)} (cast it in the model)") from None

@@ -1,13 +1,18 @@
-"""What runs in a model process: load, warm up, then gather ready slots into batches and serve them.
+"""What runs in a model process: load, warm up, then claim requests, batch them and answer them.
 
 Entry point :func:`model_process_main` is module-level so ``spawn`` can pickle it. The loop::
 
     sleep on the model's doorbell (timeout: poll_interval, to notice orphaning / stop)
-      -> scan the slot table (numpy) for PUBLISHED slots, oldest item-shape group first
-      -> claim each with ready[s].trywait()            (see NOTE [slot protocol] in slots.py)
+      -> scan the slot table's hints for PUBLISHED, unclaimed rows, oldest item-shape group first
+      -> claim each (rdy.trywait), read + validate its header privately (slots.Peer)
       -> until batching.close_decision says close: wait on the doorbell for more
-      -> Engine.run: gather -> forward -> outputs
-      -> write each requester's rows into its output segment, response header, done[s].post()
+      -> Engine: gather (preadv / DMA) -> forward -> outputs
+      -> pwrite each requester's rows and response into its segment, don.post()
+
+Nothing a client writes is trusted (NOTE [slot protocol] in slots.py); each batch runs under one
+catch-all that answers its callers with a typed error and keeps serving. When a forward pass
+raises for a batch of several requests, the batch is bisected and retried so only the requests
+that make the model fail get ``ModelError`` (``ModelConfig.isolate_errors``).
 """
 from __future__ import annotations
 
@@ -25,19 +30,17 @@ import posix_ipc
 
 from . import batching
 from .config import ModelConfig, RuntimeOptions
-from .shm import Segment, open_semaphore
-from .slots import (
-    B_FIELDS, C_BATCHES, C_ERRORS, C_REQUESTS, C_RING_HEAD, C_ROWS, CLAIMED, DONE, F_BATCH_ROWS,
-    F_CLOSE, F_DONE, F_PUBLISH, FLAG_PROBE, I_DEVICE, I_PID, I_STATE, IDLE, INST_DEAD, INST_READY,
-    MAX_IO, N_SPEC, P_CLAIMER, P_DESC, P_NOUT, P_OUT_BYTES, P_SEQ, P_STATUS, P_TUPLE, PUBLISHED,
-    R_FLAGS, R_NIN, R_ROWS, R_SEQ, RING, ST_BAD_REQUEST, ST_MODEL_ERROR, ST_OK,
-    STOPPING, T_ATTACHED, T_CLAIMER, T_GEN, T_KEY, T_ROWS, T_STATE, ControlBlock, SlotViews,
-    ctl_name, desc_view, doorbell_name, dtype_code, read_desc, sem_name, shape_key, slot_name,
-    write_desc, R_DESC, DESC_WORDS, H_STATE,
+from .layout import (
+    B_FIELDS, INST_DEAD, INST_READY, MAX_IO, MAX_NDIM, OUT_TENSOR, OUT_TUPLE, PUBLISHED, IDLE, RING,
+    ST_BAD_REQUEST, ST_INTERNAL, ST_MODEL_ERROR, ST_OK, ST_STOPPED, STOPPING, ControlBlock, SlotTable,
+    doorbell_name, dtype_code,
 )
+from .shm import open_semaphore
+from .slots import BadRequest, Limits, Peer, Request, claim_words, write_claim
 
 logger = logging.getLogger(__name__)
 _FIELD = {name: i for i, name in enumerate(B_FIELDS)}
+_BUSY_POLL = 0.0002  # seconds between device checks while collecting behind a running batch
 
 
 @dataclass(frozen=True)
@@ -53,143 +56,85 @@ class ModelProcessSpec:
 
 
 def model_process_main(spec: ModelProcessSpec, conn) -> None:
-    """Child entry point. Reports ("ready", info) or ("failed", traceback) on ``conn``."""
+    """Child entry point. Reports ("ready", info) or ("failed", ...) on ``conn``."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when to stop
     faulthandler.enable()
-    tag = f"<{spec.config.name}|{spec.instance}>"
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>` dumps stacks
     try:
         server = ModelServer(spec)
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises
-        conn.send(("failed", f"{type(e).__name__}: {e}", traceback.format_exc()))
+        conn.send(("failed", f"{type(e).__name__}: {_safe_str(e)}", traceback.format_exc()))
         conn.close()
         os._exit(1)
     conn.send(("ready", {"pid": os.getpid(), "device": str(server.engine.device)}))
     conn.close()
-    logger.debug("%s serving on %s", tag, server.engine.device)
+    logger.debug("%s serving on %s", server.tag, server.engine.device)
     try:
         server.serve()
     finally:
         server.close()
-
-
-class _Peer:
-    """A model process's handles on one attached client slot (one generation of it)."""
-
-    def __init__(self, namespace: str, model: str, slot: int, gen: int, engine):
-        self.slot, self.gen = slot, gen
-        self.in_seg = Segment(slot_name(namespace, model, slot, gen, "in"), 0, create=False)
-        self.out_seg: Optional[Segment] = None
-        self.out_name = slot_name(namespace, model, slot, gen, "out")
-        self.views = SlotViews(self.in_seg)
-        self.ready = open_semaphore(sem_name(namespace, model, slot, "rdy"))
-        self.done = open_semaphore(sem_name(namespace, model, slot, "don"))
-        n_in = int(self.views.words[R_NIN])
-        self.inputs = [read_desc(desc_view(self.views.words, R_DESC, k)) for k in range(n_in)]
-        self._views: Dict[tuple, np.ndarray] = {}
-        self._out_views: Dict[tuple, np.ndarray] = {}
-        self.regions: Dict[int, Tuple[int, int]] = {}  # output j -> (offset, capacity)
-        self.address = self.in_seg.address()
-        self.registered = engine.register(self.address, self.in_seg.size)
-
-    def request_shapes(self) -> Tuple[Tuple[int, ...], ...]:
-        w = self.views.words
-        shapes = []
-        for k in range(len(self.inputs)):
-            base = R_DESC + k * DESC_WORDS
-            ndim = int(w[base + 1])
-            shapes.append(tuple(w[base + 4: base + 4 + ndim].tolist()))
-        return tuple(shapes)
-
-    def input_view(self, k: int, rows: int, item: Tuple[int, ...]) -> np.ndarray:
-        view = self._views.get((k, rows, item))
-        if view is None:
-            dtype, _, offset, _ = self.inputs[k]
-            if len(self._views) > 256:
-                self._views.clear()
-            view = self._views[(k, rows, item)] = self.in_seg.ndarray(offset, dtype, (rows, *item))
-        return view
-
-    def output_view(self, j: int, offset: int, dtype: np.dtype, shape: Tuple[int, ...]) -> np.ndarray:
-        view = self._out_views.get((j, dtype, shape))
-        if view is None:
-            if self.out_seg is None:
-                self.out_seg = Segment(self.out_name, int(self.views.words[P_OUT_BYTES]), create=False)
-            if len(self._out_views) > 256:
-                self._out_views.clear()
-            view = self._out_views[(j, dtype, shape)] = self.out_seg.ndarray(offset, dtype, shape)
-        return view
-
-    def close(self, engine) -> None:
-        engine.unregister(self.address)
-        self._views.clear()
-        self._out_views.clear()
-        self.views.release()
-        self.in_seg.close()
-        if self.out_seg is not None:
-            self.out_seg.close()
-        self.ready.close()
-        self.done.close()
-
-
-_BUSY_POLL = 0.0002  # seconds between device checks while collecting behind a running batch
-
-
-@dataclass
-class _Request:
-    slot: int
-    peer: _Peer
-    rows: int
-    shapes: Tuple[Tuple[int, ...], ...]
-    flags: int
-    t_publish: float
+    if server.fatal:
+        os._exit(3)  # the device context is unusable: let the supervisor start a fresh process
 
 
 @dataclass
 class _InFlight:
-    batch: List["_Request"]
+    batch: List[Request]
     t_close: float
+    gather: object = None
     launched: object = None
-    error: Optional[Tuple[int, str]] = None
+    error: Optional[BaseException] = None
 
 
 class ModelServer:
-    """The state of one model process: control block, engine and the client slots it has seen."""
+    """The state of one model process: control block, slot table, engine, the slots it knows."""
 
     def __init__(self, spec: ModelProcessSpec):
         from .engine import Engine  # torch is imported only in model processes
         self.spec = spec
-        self.cfg = spec.config
+        self.cfg = cfg = spec.config
         self.me = spec.instance
+        self.pid = os.getpid()
+        self.tag = f"<{cfg.name}|{self.me}>"
         self.poll = spec.options.poll_interval
-        self.ctl = ControlBlock.attach(ctl_name(spec.namespace, self.cfg.name))
-        self.door = open_semaphore(doorbell_name(spec.namespace, self.cfg.name))
-        self.ctl.instances[self.me, I_PID] = os.getpid()
-        self.engine = Engine(self.cfg, self.me, spec.cpu_model_procs)
+        self.ctl = ControlBlock.attach(spec.namespace, cfg.name, readonly=False)
+        self.table = SlotTable.attach(spec.namespace, cfg.name, self.ctl.max_slots)
+        self.door = open_semaphore(doorbell_name(spec.namespace, cfg.name))
+        inst = self.ctl.instances[self.me]
+        inst["pid"], inst["t_start"] = self.pid, time.time()
+        self.engine = Engine(cfg, self.me, spec.cpu_model_procs)
         dev = self.engine.device
-        self.ctl.instances[self.me, I_DEVICE] = -1 if dev.type == "cpu" else (dev.index or 0)
-        self.peers: Dict[int, _Peer] = {}
-        self.max_batch = int(self.cfg.max_batch_size)
-        self.wait_time = float(self.cfg.wait_time)
-        self._spec_next = 0
+        inst["device"] = -1 if dev.type == "cpu" else (dev.index or 0)
+        self.max_batch = int(cfg.max_batch_size)
+        self.wait_time = float(cfg.wait_time)
+        dtypes = None
+        if cfg.input_shapes and cfg.input_dtypes:
+            dtypes = tuple(np.dtype(d) for d in cfg.input_dtypes)
+        self.limits = Limits(self.max_batch, len(cfg.input_shapes) if cfg.input_shapes else None, dtypes)
+        self.peers: Dict[int, Peer] = {}
+        self.deferred: List[Request] = []      # claimed by me, not batched yet (other shape / no room)
+        self._open: Dict[int, Request] = {}    # id -> every request claimed and not answered yet
+        self._failed: Dict[int, int] = {}      # slot -> seq hint whose claim failed: don't retry it
+        self.claim_seq, self.claim_token = self.ctl.claims["seq"], self.ctl.claims["token"]
+        self.claim_words = claim_words(self.ctl)
+        self.counters = self.ctl.counters[self.me]
+        self.fatal = False
         self._launch_ema = 0.0    # host seconds to enqueue a forward pass (EMA)
         self._forward_ema = 0.0   # device seconds of a forward pass (EMA)
-        if self.cfg.input_shapes:
-            dtypes = self.cfg.input_dtypes or ("float32",) * len(self.cfg.input_shapes)
-            result = self.engine.warm_up(self.cfg.input_shapes, dtypes,
-                                         sorted({self.max_batch, 1}, reverse=True))
-            key = shape_key([dtype_code(d) for d in dtypes], self.cfg.input_shapes, 0)
-            self._record_spec(key, result.outputs, result.is_tuple)
-            sizes = self.cfg.graph_batch_sizes()
+        if cfg.input_shapes:
+            in_dtypes = cfg.input_dtypes or ("float32",) * len(cfg.input_shapes)
+            self.engine.warm_up(cfg.input_shapes, in_dtypes, sorted({self.max_batch, 1}, reverse=True))
+            sizes = cfg.graph_batch_sizes()
             if sizes and self.engine.cuda:
                 try:
-                    self.engine.capture_graphs(self.cfg.input_shapes, dtypes, sizes)
+                    self.engine.capture_graphs(cfg.input_shapes, in_dtypes, sizes)
                 except Exception:
-                    if self.cfg.cuda_graphs != "auto":
+                    if cfg.cuda_graphs != "auto":
                         raise
-                    logger.warning("<%s|%d> CUDA graph capture failed; running eagerly",
-                                   self.cfg.name, self.me, exc_info=True)
+                    logger.warning("%s CUDA graph capture failed; running eagerly", self.tag,
+                                   exc_info=True)
         self._last_maintenance = time.monotonic()
-        self.ctl.instances[self.me, I_STATE] = INST_READY
+        inst["state"] = INST_READY
 
     # ------------------------------------------------------------ main loop
     def serve(self) -> None:
@@ -203,72 +148,88 @@ class ModelServer:
         separate stream at once. Then either k is answered and k+1's forward launched, or -- when
         launching is cheap next to the device time (CUDA graphs, big batches) -- k+1's forward is
         launched first so the device never waits. At most two batches are unfinished at any time
-        (two buffer sets); on the CPU every batch is computed and answered in turn."""
+        (two buffer sets); on the CPU every batch is computed and answered in turn.
+
+        Every step runs under a catch-all: whatever goes wrong fails the requests it concerns
+        with a typed error, and the loop goes on."""
         inflight: Optional[_InFlight] = None
-        try:
-            while True:
-                if int(self.ctl.header[H_STATE]) >= STOPPING:
+        while not self.fatal:
+            try:
+                if int(self.ctl.hdr["state"]) >= STOPPING:
                     break
                 batch = self._collect(inflight.launched if inflight else None)
                 if batch:
                     nxt = self._stage(batch)  # copies in on the copy stream, behind nothing
-                    if inflight is not None and (inflight.launched.ready() or not self._pipeline_forward(nxt)):
-                        self._complete(inflight)  # answer k before spending time launching k+1
-                        inflight = None
+                    if inflight is not None and (inflight.launched.ready() or not self._pipeline_forward()):
+                        done, inflight = inflight, None
+                        self._complete(done)  # answer k before spending time launching k+1
                     self._start(nxt)
                     if inflight is not None:
-                        self._complete(inflight)
-                        inflight = None
+                        done, inflight = inflight, None
+                        self._complete(done)
                     if nxt.error is None and nxt.launched.result is None:
                         inflight = nxt  # device work enqueued: finish it next round
                     else:
                         self._complete(nxt)
-                    if time.monotonic() - self._last_maintenance > self.poll:
-                        if not self._maintenance():
-                            break
+                    if time.monotonic() - self._last_maintenance > self.poll and not self._maintenance():
+                        break
                     continue
                 if inflight is not None:
-                    self._complete(inflight)
-                    inflight = None
+                    done, inflight = inflight, None
+                    self._complete(done)
                     continue
                 try:
                     self.door.acquire(self.poll)
                 except posix_ipc.BusyError:
                     if not self._maintenance():
                         break
-        finally:
-            if inflight is not None:
+            except Exception as e:  # noqa: BLE001 - the catch-all: nothing stops this loop
+                logger.exception("%s internal error; failing the requests concerned", self.tag)
+                inflight = None
+                self.engine.quiesce()
+                deferred = {id(r) for r in self.deferred}
+                self._fail([r for r in self._open.values() if id(r) not in deferred], ST_INTERNAL,
+                           f"{type(e).__name__}\nsimpledbi internal error: {_safe_str(e)}\n"
+                           f"{traceback.format_exc()}")
+        if inflight is not None:
+            try:
                 self._complete(inflight)
+            except Exception:  # noqa: BLE001
+                logger.exception("%s finishing the last batch failed", self.tag)
+        self._fail(list(self._open.values()), ST_STOPPED, "the model process is stopping")
 
     def close(self) -> None:
         for peer in self.peers.values():
-            try:
-                peer.close(self.engine)
-            except Exception:  # noqa: BLE001 - best effort at exit
-                logger.debug("closing slot %d failed", peer.slot, exc_info=True)
+            self.engine.unregister(peer.mapping[1] if peer.mapping else 0)
+            peer.close()
         self.peers.clear()
-        self.engine.close()
         try:
-            self.ctl.instances[self.me, I_STATE] = INST_DEAD
+            self.engine.close()
+        except Exception:  # noqa: BLE001 - best effort at exit
+            logger.debug("%s engine close failed", self.tag, exc_info=True)
+        try:
+            self.ctl.instances[self.me]["state"] = INST_DEAD
         except Exception:  # noqa: BLE001
             pass
         self.door.close()
+        self.table.close()
         self.ctl.close()
 
     def _maintenance(self) -> bool:
         """Drop handles of detached clients; return False when this process should exit."""
         self._last_maintenance = time.monotonic()
         if os.getppid() != self.spec.parent_pid:
-            logger.warning("<%s|%d> parent died; exiting", self.cfg.name, self.me)
+            logger.warning("%s parent died; exiting", self.tag)
             return False
-        table = self.ctl.table
+        state, token = self.table.state, self.table.token
         for slot, peer in list(self.peers.items()):
-            if table[T_GEN, slot] != peer.gen or not table[T_ATTACHED, slot]:
-                del self.peers[slot]
-                peer.close(self.engine)
+            if state[slot] == 0 or token[slot] != peer.token:
+                self._drop_peer(slot)
+        if len(self._failed) > self.ctl.max_slots:
+            self._failed.clear()
         return True
 
-    # ------------------------------------------------------------ batching
+    # ------------------------------------------------------------ claiming
     def _drain_doorbell(self) -> None:
         try:
             while True:
@@ -276,75 +237,145 @@ class ModelServer:
         except posix_ipc.BusyError:
             pass
 
-    def _peer(self, slot: int) -> Optional[_Peer]:
-        gen = int(self.ctl.table[T_GEN, slot])
-        peer = self.peers.get(slot)
-        if peer is not None and peer.gen == gen:
-            return peer
+    def _drop_peer(self, slot: int) -> None:
+        peer = self.peers.pop(slot, None)
         if peer is not None:
-            del self.peers[slot]
-            peer.close(self.engine)
+            if peer.mapping is not None:
+                self.engine.unregister(peer.mapping[1])
+            peer.close()
+
+    def _peer(self, slot: int, token: int) -> Optional[Peer]:
+        peer = self.peers.get(slot)
+        if peer is not None and peer.token == token:
+            return peer
+        self._drop_peer(slot)
         try:
-            peer = _Peer(self.spec.namespace, self.cfg.name, slot, gen, self.engine)
-        except (posix_ipc.ExistentialError, OSError, ValueError):
-            return None  # the client went away between publish and now
+            peer = Peer(self.spec.namespace, self.cfg.name, slot, token)
+        except (posix_ipc.Error, OSError, ValueError):
+            return None  # gone (detached), or a hint that names nothing
+        if self.engine.wants_mapping:
+            m = peer.map()
+            if m is not None and not self.engine.register(*m):
+                peer.mapping[0].close()
+                peer.mapping = None
         self.peers[slot] = peer
         return peer
 
-    def _claim(self, order: np.ndarray, room: int, batch: List[_Request]) -> int:
-        """Claim requests of ``order`` (one key group, oldest first) that fit in ``room`` rows."""
-        table = self.ctl.table
-        taken = 0
-        for slot in batching.take_fitting(order, table[T_ROWS], room):
-            peer = self._peer(slot)
-            if peer is None:
-                continue
-            try:
-                peer.ready.acquire(0)  # the claim: only one process can win it
-            except posix_ipc.BusyError:
-                continue
-            w = peer.views.words
-            rows, flags = int(w[R_ROWS]), int(w[R_FLAGS])
-            shapes = peer.request_shapes()
-            if (batch and (shapes != batch[0].shapes or flags != batch[0].flags)) or rows > room - taken:
-                # The hint was stale (the client withdrew and republished): hand it back.
-                peer.ready.release()
-                self.door.release()
-                continue
-            table[T_CLAIMER, slot] = self.me
-            table[T_STATE, slot] = CLAIMED
-            w[P_CLAIMER] = self.me
-            batch.append(_Request(slot, peer, rows, shapes, flags, float(peer.views.floats[F_PUBLISH])))
-            taken += rows
-        return taken
+    def _pending(self) -> np.ndarray:
+        """Slots whose hints say: a request is published and nobody has claimed it."""
+        t = self.table
+        pend = np.flatnonzero(t.state == PUBLISHED)
+        if pend.size:
+            seqs = t.seq[pend]
+            mine = (self.claim_seq[pend] == seqs) & (self.claim_token[pend] == t.token[pend])
+            pend = pend[~mine]
+            if self._failed and pend.size:
+                failed = self._failed
+                pend = np.array([s for s, q in zip(pend.tolist(), t.seq[pend].tolist())
+                                 if failed.get(s) != q], dtype=np.int64)
+        return pend
 
-    def _collect(self, busy=None) -> List[_Request]:
+    def _claim(self, slot: int, now: float) -> Optional[Request]:
+        t = self.table
+        token, seq_hint = int(t.token[slot]), int(t.seq[slot])
+        peer = self._peer(slot, token)
+        if peer is None or not peer.try_claim():
+            self._failed[slot] = seq_hint
+            return None
+        try:
+            req = peer.read_request(self.limits, seq_hint, now)
+        except BadRequest as e:
+            write_claim(self.claim_words, slot, token, e.seq, self.me, self.pid)
+            self._reject(peer, e.seq, str(e))
+            return None
+        write_claim(self.claim_words, slot, token, req.seq, self.me, self.pid)
+        if peer.mapping is not None:
+            req.mapped = peer.mapping
+        self._open[id(req)] = req
+        return req
+
+    def _reject(self, peer: Peer, seq: int, text: str) -> None:
+        self.counters["bad_requests"] += 1
+        if not peer.warned:
+            peer.warned = True
+            logger.warning("%s rejected a request of slot %d: %s", self.tag, peer.slot, text)
+        peer.respond(seq, ST_BAD_REQUEST, text, claimer=self.me)
+
+    def _fill(self, batch: List[Request], state: dict) -> int:
+        """Add requests to ``batch``: first ones I already claimed (oldest first), then newly
+        published ones of the batch's item shape. Returns the rows added."""
+        added = 0
+        room = self.max_batch - state["rows"]
+        if self.deferred and room > 0:
+            self.deferred.sort(key=lambda r: r.t_publish)
+            if state["key"] is None:
+                state["key"] = self.deferred[0].key
+            keep = []
+            for r in self.deferred:
+                if r.key == state["key"] and r.rows <= room - added:
+                    batch.append(r)
+                    added += r.rows
+                else:
+                    keep.append(r)
+            self.deferred = keep
+        room -= added
+        if room <= 0:
+            return added
+        t = self.table
+        pend = self._pending()
+        now = time.monotonic()
+        while pend.size and room > 0:
+            if pend.size == 1:
+                order, target = pend, None
+            else:
+                keys = t.key[pend]
+                if state["key"] is None:
+                    target = keys[int(np.argmin(t.t_publish[pend]))]
+                    group = pend[keys == target]
+                else:
+                    target, group = None, pend
+                order = group[np.argsort(t.t_publish[group], kind="stable")] if group.size > 1 else group
+            got = 0
+            # rows hints are clipped: a lying hint must not block the requests behind it
+            for slot in batching.take_fitting(order, np.clip(t.nrows[order], 1, self.max_batch), room,
+                                              indexed=False):
+                req = self._claim(slot, now)
+                if req is None:
+                    continue
+                if state["key"] is None:
+                    state["key"] = req.key
+                if req.key == state["key"] and req.rows <= room:
+                    batch.append(req)
+                    room -= req.rows
+                    added += req.rows
+                    got += 1
+                else:
+                    self.deferred.append(req)  # a hint that lied about its shape or size
+            if got or target is None:
+                break
+            pend = pend[keys != target]  # that group's hints were stale: try the next group
+        return added
+
+    def _collect(self, busy=None) -> List[Request]:
         """Claim the next batch. ``busy`` is the launched batch still on the device, if any:
         then the batch also closes as soon as the device is free (it would otherwise idle)."""
         self._drain_doorbell()
-        table, t_pub = self.ctl.table, self.ctl.t_publish
-        pending = np.flatnonzero(table[T_STATE] == PUBLISHED)
-        if pending.size == 0:
-            return []
-        key, order = batching.oldest_group(pending, table[T_KEY], t_pub)
-        batch: List[_Request] = []
-        rows = self._claim(order, self.max_batch, batch)
+        batch: List[Request] = []
+        state = {"key": None, "rows": 0}
+        state["rows"] += self._fill(batch, state)
         if not batch:
             return []
         oldest = min(r.t_publish for r in batch)
-        probe = bool(batch[0].flags & FLAG_PROBE)
-        while not probe:
-            states = table[T_STATE]
-            same = np.flatnonzero((states == PUBLISHED) & (table[T_KEY] == key))
-            if same.size:  # newcomers of our shape: take what fits
-                order = same[np.argsort(t_pub[same], kind="stable")]
-                rows += self._claim(order, self.max_batch - rows, batch)
-                states = table[T_STATE]
-                same = np.flatnonzero((states == PUBLISHED) & (table[T_KEY] == key))
-            # A same-shape request still waiting did not fit: the batch is as full as it gets.
-            more = same.size == 0 and batching.more_can_arrive(states, (IDLE, DONE))
-            close, wait = batching.close_decision(rows, self.max_batch, oldest, time.monotonic(),
-                                                  self.wait_time, more)
+        t = self.table
+        while True:
+            if state["rows"] >= self.max_batch:
+                break
+            more = batching.more_can_arrive(t.state, (IDLE,))
+            if more:  # ... unless a request of our shape is already waiting: it did not fit
+                pend = self._pending()
+                more = not (pend.size and bool(np.any(t.key[pend] == state["key"])))
+            close, wait = batching.close_decision(state["rows"], self.max_batch, oldest,
+                                                  time.monotonic(), self.wait_time, more)
             if close or (busy is not None and busy.ready()):
                 break
             if busy is not None:
@@ -354,46 +385,47 @@ class ModelServer:
                 self._drain_doorbell()
             except posix_ipc.BusyError:
                 pass
-        if self.ctl.model_num > 1 and np.any(table[T_STATE] == PUBLISHED):
+            state["rows"] += self._fill(batch, state)
+        if self.ctl.model_num > 1 and self._pending().size:
             self.door.release()  # leftovers (other shapes, no room): wake a peer process
         return batch
 
     # ------------------------------------------------------------ one batch
-    def _stage(self, batch: List[_Request]) -> "_InFlight":
-        t_close = time.monotonic()
-        n_in = len(batch[0].shapes)
-        parts = [[r.peer.input_view(k, r.rows, r.shapes[k]) for r in batch] for k in range(n_in)]
-        flight = _InFlight(batch, t_close)
+    def _gather(self, batch: List[Request]):
+        from .engine import Gather
+        first = batch[0]
+        sources = [[(r.peer.fd, r.offsets[k], r.nbytes[k],
+                     r.mapped[1] if r.mapped and r.offsets[k] + r.nbytes[k] <= r.mapped[2] else 0)
+                    for r in batch] for k in range(len(first.items))]
+        return Gather(sum(r.rows for r in batch), first.items, first.dtypes, sources)
+
+    def _stage(self, batch: List[Request]) -> _InFlight:
+        flight = _InFlight(batch, time.monotonic(), self._gather(batch))
         try:
-            flight.launched = self.engine.stage(parts, [r.peer.registered for r in batch])
+            flight.launched = self.engine.stage(flight.gather)
         except Exception as e:  # noqa: BLE001
-            flight.error = self._model_failed(e, batch)
+            flight.error = e
         return flight
 
-    def _start(self, flight: "_InFlight") -> None:
+    def _start(self, flight: _InFlight) -> None:
         if flight.error is not None:
             return
         try:
             self.engine.start(flight.launched)
         except Exception as e:  # noqa: BLE001 - the model's own failure goes to its callers
-            flight.error = self._model_failed(e, batch=flight.batch)
+            flight.error = e
             return
         ln = flight.launched
         if ln.started:
             self._launch_ema = 0.8 * self._launch_ema + 0.2 * ln.launch_cpu
 
-    def _pipeline_forward(self, nxt: "_InFlight") -> bool:
+    def _pipeline_forward(self) -> bool:
         """Launch batch k+1's forward before answering batch k? Only when launching is cheap next
         to the device time it overlaps (CUDA graphs, or large batches): in a launch-bound model,
         launching first would make k's callers wait a whole launch for nothing."""
         return self._launch_ema < 0.5 * self._forward_ema
 
-    def _model_failed(self, e: BaseException, batch) -> Tuple[int, str]:
-        logger.exception("<%s|%d> forward failed for a batch of %d requests (%d rows)",
-                         self.cfg.name, self.me, len(batch), sum(r.rows for r in batch))
-        return ST_MODEL_ERROR, f"{type(e).__name__}\n{e}\n{traceback.format_exc()}"
-
-    def _complete(self, flight: "_InFlight") -> None:
+    def _complete(self, flight: _InFlight) -> None:
         """Finish a launched batch: check its outputs, write each requester's rows, wake them."""
         batch, t_close, error, result = flight.batch, flight.t_close, flight.error, None
         total = sum(r.rows for r in batch)
@@ -401,90 +433,92 @@ class ModelServer:
             try:
                 result = self.engine.finish(flight.launched)
                 self._forward_ema = 0.8 * self._forward_ema + 0.2 * result.times.forward
-                for j, o in enumerate(result.outputs):
-                    if o.ndim == 0 or o.shape[0] != total:
-                        raise ValueError(f"output {j} has shape {tuple(o.shape)}: expected {total} rows "
-                                         f"(the batch dimension first), got "
-                                         f"{o.shape[0] if o.ndim else 'a scalar'}")
-                if len(result.outputs) > MAX_IO:
-                    raise ValueError(f"the model returned {len(result.outputs)} outputs; at most "
-                                     f"{MAX_IO} are supported")
+                _check_outputs(result.outputs, total)
             except Exception as e:  # noqa: BLE001
-                error = self._model_failed(e, batch)
+                error = e
         t_scatter = time.monotonic()
-        probe = bool(batch[0].flags & FLAG_PROBE)
-        if probe and error is None:
-            first = batch[0]
-            key = shape_key([dtype_code(dt) for dt, _, _, _ in first.peer.inputs], first.shapes, 0)
-            self._record_spec(key, [o[:1] for o in result.outputs], result.is_tuple)
-        offset = 0
-        for r in batch:
-            status, text = error if error is not None else (ST_OK, "")
-            if error is None:
-                status, text = self._write_outputs(r, result, offset, probe)
-            offset += r.rows
-            self._respond(r, status, text, t_close, total)
+        short = flight.gather.short
+        if error is not None:
+            self._on_failure(batch, error, t_close)
+        else:
+            self._answer(batch, result, t_close, total, short)
         t_end = time.monotonic()
         self._account(batch, total, t_close, t_scatter, t_end, result, error is not None)
 
-    def _write_outputs(self, r: _Request, result, offset: int, probe: bool) -> Tuple[int, str]:
-        peer = r.peer
-        w = peer.views.words
-        w[P_NOUT] = len(result.outputs)
-        w[P_TUPLE] = int(result.is_tuple)
-        for j, o in enumerate(result.outputs):
-            rows = o[offset:offset + r.rows]
-            d = desc_view(w, P_DESC, j)
-            # Always written: another model process may have answered this slot in between.
-            write_desc(d, dtype_code(o.dtype), rows.shape)
-            if probe:
+    def _answer(self, batch: List[Request], result, t_close: float, total: int, short=()) -> None:
+        structure = OUT_TUPLE if result.is_tuple else OUT_TENSOR
+        offset = 0
+        for i, r in enumerate(batch):
+            if i in short:
+                self._respond(r, ST_BAD_REQUEST, "the request's input could not be read in full "
+                              "(its slot's segment was truncated)", t_close=t_close, total=total)
+            else:
+                outs = [o[offset:offset + r.rows] for o in result.outputs]
+                self._respond(r, ST_OK, "", outs, structure, t_close, total)
+            offset += r.rows
+
+    def _on_failure(self, batch: List[Request], error: BaseException, t_close: float) -> None:
+        """A batch failed: bisect it to find the requests that make the model fail (if isolation
+        is on and there is more than one request), answer the others normally."""
+        fatal = self.engine.cuda and _is_cuda_fatal(error)
+        if fatal or len(batch) == 1 or not self.cfg.isolate_errors:
+            text = _error_text(error)
+            logger.error("%s forward failed for a batch of %d requests (%d rows): %s", self.tag,
+                         len(batch), sum(r.rows for r in batch), text.split("\n", 2)[1][:200])
+            self._fail(batch, ST_MODEL_ERROR, text)
+            self.counters["errors"] += len(batch)
+            if fatal:
+                logger.error("%s the CUDA context is broken; exiting to be restarted", self.tag)
+                self.fatal = True
+            return
+        self.counters["isolated"] += 1
+        culprits = self._bisect(batch, t_close)
+        logger.error("%s forward failed for a batch of %d requests; isolated %d culprit(s)",
+                     self.tag, len(batch), culprits)
+
+    def _bisect(self, batch: List[Request], t_close: float) -> int:
+        """Retry halves of ``batch`` until each request is answered; returns the culprits."""
+        culprits, todo = 0, [batch[:len(batch) // 2], batch[len(batch) // 2:]]
+        while todo:
+            part = todo.pop()
+            if not part:
                 continue
-            if j not in peer.regions:  # written by the client once, after its probe
-                peer.regions[j] = (int(d[2]), int(d[3]))
-            offset_j, capacity = peer.regions[j]
-            if rows.nbytes > capacity:
-                return ST_BAD_REQUEST, (
-                    f"output {j} of shape {rows.shape} ({rows.dtype}) needs {rows.nbytes} bytes but "
-                    f"this client reserved {capacity} (sized from its max_shape); an input smaller "
-                    f"than max_shape must not give a larger output")
-            peer.output_view(j, offset_j, rows.dtype, rows.shape)[...] = rows
-        return ST_OK, ""
+            total = sum(r.rows for r in part)
+            try:
+                g = self._gather(part)
+                result = self.engine.run_simple(g)
+                _check_outputs(result.outputs, total)
+            except Exception as e:  # noqa: BLE001
+                if len(part) == 1:
+                    self._fail(part, ST_MODEL_ERROR, _error_text(e))
+                    self.counters["errors"] += 1
+                    culprits += 1
+                else:
+                    todo += [part[:len(part) // 2], part[len(part) // 2:]]
+                continue
+            self._answer(part, result, t_close, total, g.short)
+        return culprits
 
-    def _respond(self, r: _Request, status: int, text: str, t_close: float, total: int) -> None:
-        views = r.peer.views
-        w = views.words
-        if text:
-            views.set_error(text)
-        w[P_STATUS] = status
-        views.floats[F_CLOSE] = t_close
-        views.floats[F_BATCH_ROWS] = total
-        views.floats[F_DONE] = time.monotonic()
-        w[P_SEQ] = w[R_SEQ]  # last: the client trusts the response only when this matches
-        self.ctl.table[T_STATE, r.slot] = DONE
-        r.peer.done.release()
+    def _fail(self, requests: List[Request], status: int, text: str) -> None:
+        for r in requests:
+            if not r.answered:
+                self._respond(r, status, text)
 
-    def _record_spec(self, key: int, outputs, is_tuple: bool) -> None:
-        """Publish the output shapes seen for an input key so later clients need no probe."""
-        specs = self.ctl.specs[self.me]
-        i = self._spec_next % N_SPEC
-        self._spec_next += 1
-        row = specs[i]
-        row[3] = 0
-        row[1] = len(outputs)
-        row[2] = int(is_tuple)
-        for j, o in enumerate(outputs[:MAX_IO]):
-            write_desc(desc_view(row, 4, j), dtype_code(o.dtype), tuple(o.shape[1:]), 0, 0)
-        row[0] = key
-        row[3] = 1
+    def _respond(self, r: Request, status: int, text: str = "", outs=(), structure: int = 0,
+                 t_close: float = 0.0, total: int = 0) -> None:
+        r.answered = True
+        self._open.pop(id(r), None)
+        try:
+            r.peer.respond(r.seq, status, text, outs, r.out_offset, structure, self.me, t_close, total)
+        except Exception:  # noqa: BLE001 - a closed peer: its client is gone
+            logger.debug("%s answering slot %d failed", self.tag, r.slot, exc_info=True)
 
     def _account(self, batch, total, t_close, t_scatter, t_end, result, failed) -> None:
-        c = self.ctl.counters[self.me]
-        c[C_REQUESTS] += len(batch)
-        c[C_BATCHES] += 1
-        c[C_ROWS] += total
-        if failed:
-            c[C_ERRORS] += len(batch)
-        head = int(c[C_RING_HEAD])
+        c = self.counters
+        c["requests"] += len(batch)
+        c["batches"] += 1
+        c["rows"] += total
+        head = int(c["ring_head"])
         rec = self.ctl.ring[self.me, head % RING]
         times = result.times if result is not None else None
         rec[_FIELD["t_close"]] = t_close
@@ -502,4 +536,45 @@ class ModelServer:
         own = max(times.gather, times.h2d) + times.d2h if times else 0.0
         rec[_FIELD["runtime"]] = own + (t_end - t_scatter)
         rec[_FIELD["t_end"]] = t_end
-        c[C_RING_HEAD] = head + 1
+        c["ring_head"] = head + 1
+
+
+def _check_outputs(outputs, total: int) -> None:
+    """Outputs must split back into per-request rows and fit the response layout."""
+    from .engine import BadModelOutput
+    if len(outputs) > MAX_IO:
+        raise BadModelOutput(f"the model returned {len(outputs)} outputs; at most {MAX_IO} are supported")
+    for j, o in enumerate(outputs):
+        if o.ndim == 0 or o.shape[0] != total:
+            raise BadModelOutput(f"output {j} has shape {tuple(o.shape)}: expected {total} rows (the "
+                                 f"batch dimension first), got {o.shape[0] if o.ndim else 'a scalar'}")
+        if o.ndim > MAX_NDIM + 1:
+            raise BadModelOutput(f"output {j} has {o.ndim} dimensions; at most {MAX_NDIM + 1} "
+                                 f"(rows + {MAX_NDIM}) are supported")
+        try:
+            dtype_code(o.dtype)
+        except TypeError as e:
+            raise BadModelOutput(f"output {j}: {e}") from None
+
+
+def _safe_str(e: BaseException) -> str:
+    try:
+        return str(e)
+    except Exception:  # noqa: BLE001 - an exception whose __str__ raises
+        return f"<{type(e).__name__} whose message could not be formatted>"
+
+
+def _error_text(e: BaseException) -> str:
+    try:
+        tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
+    except Exception:  # noqa: BLE001
+        tb = ""
+    return f"{type(e).__name__}\n{_safe_str(e)}\n{tb}"
+
+
+def _is_cuda_fatal(e: BaseException) -> bool:
+    """Errors after which the CUDA context cannot be used again (a device-side assert, an
+    illegal address): the process must be replaced."""
+    text = _safe_str(e)
+    return isinstance(e, RuntimeError) and ("device-side assert" in text or "illegal memory access" in text
+                                            or "CUDA error: an illegal" in text)

@@ -2,20 +2,27 @@
 
 Process tree of one run::
 
-    main (Run / Runtime: supervisor)
+    main (Run / Runtime)                 supervisor thread: restarts, reaping (this module)
      +-- janitor                        cleans /dev/shm if main dies (janitor.py)
      +-- model "a" instance 0..n-1       model_process.py
      +-- model "b" instance 0..m-1
      +-- worker 0..worker_num-1          worker.py -> your target(rank, *args, **kwargs)
 
-Supervision blocks in ``multiprocessing.connection.wait`` on every child's sentinel and result
-pipe, so a death is seen within milliseconds without polling; every ``poll_interval`` it also
-reaps slots of clients that died without detaching. Shutdown is ordered and idempotent: refuse
-new requests -> stop workers -> wake and stop model processes -> join with timeout -> terminate ->
-kill -> fail what is left -> close views -> unlink everything of the namespace.
+The supervisor thread blocks in ``multiprocessing.connection.wait`` on every model process's
+sentinel, so a death is seen within milliseconds without polling. A dead model process is
+restarted with bounded exponential back-off while the other instances keep serving; the callers
+whose requests it had claimed get ``ModelProcessDied`` at once (their ``don`` is posted); after
+``ModelConfig.max_restarts`` failures within ``restart_window`` seconds the model is marked
+broken and every caller gets ``ModelProcessDied`` with the reason. ``Run`` and ``Runtime`` behave
+the same; ``Run`` raises only once a model is broken. Every ``poll_interval`` the thread also
+reaps the slots of clients that died (their slot lock is free, see NOTE [slot protocol]).
+Shutdown is ordered and idempotent: refuse new requests -> stop workers -> wake and stop model
+processes -> join with timeout -> terminate -> kill -> fail what is left -> close views -> remove
+the namespace.
 """
 from __future__ import annotations
 
+import collections
 import logging
 import multiprocessing as mp
 import os
@@ -23,28 +30,31 @@ import signal
 import threading
 import time
 from multiprocessing.connection import wait
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from .config import ModelConfig, RuntimeOptions
 from .errors import ModelError, ModelProcessDied, WorkerError
 from .janitor import janitor_main
+from .layout import (
+    BROKEN, INST_RESTARTING, RUNNING, STOPPING, ControlBlock, SlotTable, doorbell_name, sem_name,
+)
 from .model_process import ModelProcessSpec, model_process_main
 from .shm import (
-    check_free_space, create_semaphore, new_namespace, open_semaphore, pid_alive, sweep_dead_namespaces,
-    sweep_namespace, unlink_sem, unlink_shm,
+    check_free_space, create_semaphore, new_namespace, open_semaphore, sweep_dead_namespaces,
+    sweep_namespace,
 )
-from .slots import (
-    BROKEN, CLAIMED, FREE, PUBLISHED, RUNNING, STOPPING, T_ATTACHED, T_GEN, T_OWNER, T_STATE,
-    ControlBlock, ctl_name, doorbell_name, sem_name, slot_name,
-)
+from .slots import reap_dead
 from .worker import worker_main
 
 logger = logging.getLogger(__name__)
 
 
 class _ModelProc:
+    """One incarnation of one model instance."""
+
     def __init__(self, cfg: ModelConfig, instance: int, proc, conn):
         self.cfg, self.instance, self.proc, self.conn = cfg, instance, proc, conn
+        self.loading = True
 
     def describe(self) -> str:
         code = self.proc.exitcode
@@ -77,17 +87,28 @@ class Runtime:
         self.models = models
         self.options = options or RuntimeOptions()
         self.ctx = mp.get_context(start_method)
-        self.namespace = new_namespace()
+        self.namespace: Optional[str] = None
         self.ctls: Dict[str, ControlBlock] = {}
+        self.tables: Dict[str, SlotTable] = {}
         self.doorbells: Dict[str, Any] = {}
-        self.model_procs: List[_ModelProc] = []
+        self.instances: Dict[Tuple[str, int], _ModelProc] = {}   # current incarnations
         self.worker_procs: Dict[int, Any] = {}
+        self._cpu_procs = 1
         self._janitor = None
         self._janitor_conn = None
-        self._reaper: Optional[threading.Thread] = None
-        self._reaper_stop = threading.Event()
+        self._janitor_lock = threading.Lock()
+        self._supervisor: Optional[threading.Thread] = None
+        self._stop = threading.Event()
+        self._wake_r, self._wake_w = None, None
+        self._failures: Dict[str, collections.deque] = {m.name: collections.deque() for m in models}
+        self._restart_at: Dict[Tuple[str, int], float] = {}
+        self.broken: Dict[str, str] = {}
         self._started = False
         self._closed = False
+
+    @property
+    def model_procs(self) -> List[_ModelProc]:
+        return list(self.instances.values())
 
     # ------------------------------------------------------------ start
     def start(self) -> "Runtime":
@@ -96,23 +117,28 @@ class Runtime:
         self._started = True
         try:
             sweep_dead_namespaces()
+            self.namespace = new_namespace()
             self._start_janitor()
             for cfg in self.models:
-                size = ControlBlock.size(cfg.max_clients, cfg.model_num)
+                size = ControlBlock.size(cfg.max_clients, cfg.model_num) + SlotTable.size(cfg.max_clients)
                 check_free_space(size, f"model {cfg.name!r}")
                 self.ctls[cfg.name] = ControlBlock.create(
-                    ctl_name(self.namespace, cfg.name), cfg.max_clients, cfg.model_num,
-                    cfg.max_batch_size, cfg.wait_time)
+                    self.namespace, cfg.name, cfg.max_clients, cfg.model_num, cfg.max_batch_size,
+                    cfg.wait_time, os.getpid())
+                self.tables[cfg.name] = SlotTable.create(self.namespace, cfg.name, cfg.max_clients)
                 self.doorbells[cfg.name] = create_semaphore(doorbell_name(self.namespace, cfg.name))
-            cpu_procs = sum(m.model_num for m in self.models if any(d in ("cpu", "auto") for d in m.device))
+            self._cpu_procs = sum(m.model_num for m in self.models
+                                  if any(d in ("cpu", "auto") for d in m.device))
             for cfg in self.models:
                 for i in range(cfg.model_num):
-                    self._spawn_model(cfg, i, cpu_procs)
+                    self._spawn_model(cfg, i)
             self._await_models()
             for ctl in self.ctls.values():
                 ctl.set_state(RUNNING)
-            self._reaper = threading.Thread(target=self._reap_loop, name="simpledbi-reaper", daemon=True)
-            self._reaper.start()
+            self._wake_r, self._wake_w = os.pipe()
+            self._supervisor = threading.Thread(target=self._supervise_models,
+                                                name="simpledbi-supervisor", daemon=True)
+            self._supervisor.start()
         except BaseException:
             self.shutdown()
             raise
@@ -128,27 +154,29 @@ class Runtime:
         self._janitor_conn = parent_end
 
     def _tell_janitor(self, *msg) -> None:
-        if self._janitor_conn is not None:
-            try:
-                self._janitor_conn.send(msg)
-            except OSError:
-                pass
+        with self._janitor_lock:
+            if self._janitor_conn is not None:
+                try:
+                    self._janitor_conn.send(msg)
+                except OSError:
+                    pass
 
-    def _spawn_model(self, cfg: ModelConfig, instance: int, cpu_procs: int) -> None:
+    def _spawn_model(self, cfg: ModelConfig, instance: int) -> _ModelProc:
         parent_end, child_end = self.ctx.Pipe(duplex=False)
-        spec = ModelProcessSpec(self.namespace, cfg, instance, self.options, os.getpid(), cpu_procs)
+        spec = ModelProcessSpec(self.namespace, cfg, instance, self.options, os.getpid(), self._cpu_procs)
         proc = self.ctx.Process(target=model_process_main, args=(spec, child_end),
                                 name=f"simpledbi-{cfg.name}-{instance}", daemon=False)
         proc.start()
         child_end.close()
         self._tell_janitor("model", proc.pid)
-        self.model_procs.append(_ModelProc(cfg, instance, proc, parent_end))
+        m = self.instances[(cfg.name, instance)] = _ModelProc(cfg, instance, proc, parent_end)
+        return m
 
     def _await_models(self) -> None:
         """Block until every model process reported it loaded and warmed up."""
         deadline = time.monotonic() + max(m.load_timeout for m in self.models)
-        waiting = {mp_.conn: mp_ for mp_ in self.model_procs}
-        sentinels = {mp_.proc.sentinel: mp_ for mp_ in self.model_procs}
+        waiting = {m.conn: m for m in self.instances.values()}
+        sentinels = {m.proc.sentinel: m for m in self.instances.values()}
         while waiting:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -157,22 +185,151 @@ class Runtime:
             for obj in wait(list(waiting) + list(sentinels), timeout=left):
                 if obj in waiting:
                     m = waiting.pop(obj)
-                    try:
-                        msg = obj.recv()
-                    except EOFError:
-                        msg = None
-                    obj.close()
-                    if msg is None or msg[0] != "ready":
-                        if msg is None:
-                            m.proc.join(5)
-                            raise ModelProcessDied(m.describe() + " while loading", m.proc.exitcode)
+                    msg = self._loaded(m)
+                    if msg is None:
+                        m.proc.join(5)
+                        raise ModelProcessDied(m.describe() + " while loading" + _guard_hint(m),
+                                               m.proc.exitcode)
+                    if msg[0] != "ready":
                         raise ModelError(f"model {m.cfg.name!r} process {m.instance} failed to load: "
                                          f"{msg[1]}", msg[1].split(":")[0], msg[2])
                 elif obj in sentinels:
                     m = sentinels.pop(obj)
                     if m.conn in waiting and not m.conn.poll():
                         m.proc.join(5)
-                        raise ModelProcessDied(m.describe() + " while loading", m.proc.exitcode)
+                        raise ModelProcessDied(m.describe() + " while loading" + _guard_hint(m),
+                                               m.proc.exitcode)
+
+    def _loaded(self, m: _ModelProc):
+        """Read a model process's load report; None if it died first."""
+        try:
+            msg = m.conn.recv()
+        except (EOFError, OSError):
+            msg = None
+        m.conn.close()
+        m.loading = False
+        return msg
+
+    # ------------------------------------------------------------ supervision
+    def _supervise_models(self) -> None:
+        """The supervisor thread: restarts, broken models, dead clients. Never raises."""
+        next_reap = time.monotonic()
+        while not self._stop.is_set():
+            try:
+                now = time.monotonic()
+                if now >= next_reap:
+                    self.reap_dead_clients()
+                    next_reap = now + self.options.poll_interval
+                for key, at in list(self._restart_at.items()):
+                    if at <= now and not self._stop.is_set():
+                        del self._restart_at[key]
+                        self._restart(*key)
+                timeout = max(0.0, min([next_reap] + list(self._restart_at.values())) - time.monotonic())
+                watch = {self._wake_r: None}
+                for m in self.instances.values():
+                    if m.proc.exitcode is None or m.proc.is_alive():
+                        watch[m.proc.sentinel] = m
+                    if m.loading:
+                        watch[m.conn] = m
+                for obj in wait(list(watch), timeout=timeout):
+                    if obj == self._wake_r:
+                        os.read(self._wake_r, 64)
+                        continue
+                    m = watch[obj]
+                    if self.instances.get((m.cfg.name, m.instance)) is not m or self._stop.is_set():
+                        continue
+                    if obj is m.conn:
+                        msg = self._loaded(m)
+                        if msg is not None and msg[0] == "ready":
+                            logger.info("model %r process %d restarted (pid %d)", m.cfg.name,
+                                        m.instance, m.proc.pid)
+                        elif msg is not None:
+                            logger.error("model %r process %d failed to load again: %s", m.cfg.name,
+                                         m.instance, msg[1])
+                    elif m.proc.exitcode is not None or not m.proc.is_alive():
+                        self._on_model_exit(m)
+            except Exception:  # noqa: BLE001 - the supervisor must outlive any one failure
+                logger.exception("simpledbi supervisor: unexpected error")
+                self._stop.wait(self.options.poll_interval)
+
+    def _on_model_exit(self, m: _ModelProc) -> None:
+        m.proc.join(1)
+        name, ctl = m.cfg.name, self.ctls[m.cfg.name]
+        if ctl.state >= STOPPING and ctl.state != BROKEN:
+            return
+        text = m.describe() + (" while loading" if m.loading else "")
+        if not m.loading:
+            try:
+                m.conn.close()
+            except OSError:
+                pass
+        self._wake_claimed_by(name, m.proc.pid)
+        if ctl.state == BROKEN:
+            return
+        now = time.monotonic()
+        failures = self._failures[name]
+        failures.append(now)
+        while failures and failures[0] < now - m.cfg.restart_window:
+            failures.popleft()
+        if len(failures) > m.cfg.max_restarts:
+            why = (f"{text}; model {name!r} failed {len(failures)} times within "
+                   f"{m.cfg.restart_window:g} s and is marked broken")
+            logger.error("%s", why)
+            self._mark_broken(name, why, m.proc.exitcode or 0)
+            return
+        delay = min(m.cfg.restart_backoff * 2 ** (len(failures) - 1), 10.0)
+        logger.error("%s; restarting it in %.2f s", text, delay)
+        ctl.instances[m.instance]["state"] = INST_RESTARTING
+        self._restart_at[(name, m.instance)] = now + delay
+
+    def _restart(self, name: str, instance: int) -> None:
+        cfg = next(c for c in self.models if c.name == name)
+        if self.ctls[name].state >= STOPPING:
+            return
+        self._spawn_model(cfg, instance)
+        self.ctls[name].instances[instance]["restarts"] += 1
+
+    def _mark_broken(self, name: str, why: str, code: int) -> None:
+        self.broken[name] = why
+        self.ctls[name].set_state(BROKEN, why, code)
+        self._wake_waiters(name)
+
+    def _wake_claimed_by(self, name: str, pid: int) -> None:
+        """Post ``don`` of every slot whose request the dead process ``pid`` had claimed: its
+        client wakes, sees the claimer dead and raises ModelProcessDied at once."""
+        ctl, table = self.ctls[name], self.tables[name]
+        claims = ctl.claims
+        for slot in map(int, (claims["pid"] == pid).nonzero()[0]):
+            token = int(claims["token"][slot])
+            if token and int(table.token[slot]) == token:
+                self._post_done(name, slot, token)
+
+    def _wake_waiters(self, name: str) -> None:
+        """Post ``don`` of every attached slot, so waiting clients read the model's state."""
+        table = self.tables[name]
+        for slot in map(int, (table.state != 0).nonzero()[0]):
+            self._post_done(name, slot, int(table.token[slot]))
+
+    def _post_done(self, name: str, slot: int, token: int) -> None:
+        try:
+            sem = open_semaphore(sem_name(self.namespace, name, slot, token, "don"))
+        except Exception:  # noqa: BLE001 - the client is gone
+            return
+        try:
+            sem.release()
+        finally:
+            sem.close()
+
+    def reap_dead_clients(self) -> int:
+        """Free the slots (and shared memory) of clients that died without detaching."""
+        reaped = 0
+        for name, table in self.tables.items():
+            for slot in reap_dead(self.namespace, name, table):
+                reaped += 1
+                self.doorbells[name].release()  # a batch may be waiting for this client
+                logger.info("freed slot %d of model %r: its process exited without closing it",
+                            slot, name)
+        return reaped
 
     # ------------------------------------------------------------ workers
     def run_workers(self, target: Callable, worker_num: int, args=(), kwargs=None) -> List[Any]:
@@ -193,7 +350,6 @@ class Runtime:
         results: List[Any] = [None] * worker_num
         reported = set()
         sentinels = {p.sentinel: r for r, p in self.worker_procs.items()}
-        model_sentinels = {m.proc.sentinel: m for m in self.model_procs}
         pending = set(range(worker_num))
 
         def take(conn, rank):
@@ -210,8 +366,10 @@ class Runtime:
                 raise WorkerError(f"worker {rank} raised {type_name}: {text}", rank, None, type_name, tb)
 
         while pending:
-            for obj in wait(list(conns) + list(sentinels) + list(model_sentinels),
-                            timeout=self.options.poll_interval):
+            if self.broken:
+                name, why = next(iter(self.broken.items()))
+                raise ModelProcessDied(why, self.ctls[name].hdr["broken_code"].item() or None)
+            for obj in wait(list(conns) + list(sentinels), timeout=self.options.poll_interval):
                 if obj in conns:
                     take(obj, conns[obj])
                 elif obj in sentinels:
@@ -231,66 +389,9 @@ class Runtime:
                             how += f" ({signal.Signals(-code).name})"
                         raise WorkerError(f"worker {rank} (pid {proc.pid}) died with {how}", rank, code)
                     pending.discard(rank)
-                elif obj in model_sentinels:
-                    m = model_sentinels.pop(obj)
-                    if self.ctls[m.cfg.name].state >= STOPPING:
-                        continue
-                    raise self._model_died(m)
         for conn in conns:
             conn.close()
         return results
-
-    def _model_died(self, m: _ModelProc) -> ModelProcessDied:
-        m.proc.join(1)
-        text = m.describe()
-        logger.error("%s", text)
-        ctl = self.ctls[m.cfg.name]
-        ctl.set_state(BROKEN, text, m.proc.exitcode or 0)
-        self._wake_waiters(m.cfg.name)
-        return ModelProcessDied(text, m.proc.exitcode)
-
-    def _wake_waiters(self, name: str) -> None:
-        """Post ``done`` of every slot with a request in flight, so its client wakes up, finds no
-        response and reads the control block's state (stopping or broken)."""
-        ctl = self.ctls[name]
-        table = ctl.table
-        for slot in range(ctl.max_slots):
-            if table[T_ATTACHED, slot] and table[T_STATE, slot] in (PUBLISHED, CLAIMED):
-                try:
-                    sem = open_semaphore(sem_name(self.namespace, name, slot, "don"))
-                except Exception:  # noqa: BLE001 - the client is gone
-                    continue
-                sem.release()
-                sem.close()
-
-    def _reap_loop(self) -> None:
-        """Every poll_interval, free the slots of clients that died (Run and Runtime alike)."""
-        while not self._reaper_stop.wait(self.options.poll_interval):
-            try:
-                self.reap_dead_clients()
-            except Exception:  # noqa: BLE001 - keep reaping; a failure here must not kill the run
-                logger.exception("reaping dead clients failed")
-
-    def reap_dead_clients(self) -> int:
-        """Free the slots (and shared memory) of clients that died without detaching."""
-        reaped = 0
-        for name, ctl in self.ctls.items():
-            table = ctl.table
-            for slot in map(int, (table[T_ATTACHED] != 0).nonzero()[0]):
-                pid = int(table[T_OWNER, slot])
-                if pid and not pid_alive(pid):
-                    gen = int(table[T_GEN, slot])
-                    table[T_ATTACHED, slot] = 0
-                    table[T_STATE, slot] = FREE
-                    table[T_OWNER, slot] = 0
-                    for part in ("in", "out"):
-                        unlink_shm(slot_name(self.namespace, name, slot, gen, part))
-                    unlink_sem(sem_name(self.namespace, name, slot, "don"))
-                    unlink_sem(sem_name(self.namespace, name, slot, "rdy"))  # last: frees the index
-                    reaped += 1
-                    self.doorbells[name].release()  # a batch may be waiting for this client
-                    logger.warning("reaped slot %d of model %r: its client (pid %d) died", slot, name, pid)
-        return reaped
 
     # ------------------------------------------------------------ stop
     def shutdown(self) -> None:
@@ -302,19 +403,29 @@ class Runtime:
         if threading.current_thread() is threading.main_thread():
             restore = signal.signal(signal.SIGINT, signal.SIG_IGN)  # finish cleaning up first
         try:
-            self._reaper_stop.set()
-            if self._reaper is not None:
-                self._reaper.join()
+            self._stop.set()
+            if self._supervisor is not None:
+                os.write(self._wake_w, b"x")
+                self._supervisor.join()
             self._stop_children()
         finally:
             for ctl in self.ctls.values():
                 ctl.close()
+            for table in self.tables.values():
+                table.close()
             for sem in self.doorbells.values():
                 sem.close()
-            sweep_namespace(self.namespace)
+            for fd in (self._wake_r, self._wake_w):
+                if fd is not None:
+                    os.close(fd)
+            if self.namespace is not None:
+                sweep_namespace(self.namespace)
             if self._janitor is not None:
                 self._tell_janitor("done")
-                self._janitor_conn.close()
+                with self._janitor_lock:
+                    if self._janitor_conn is not None:
+                        self._janitor_conn.close()
+                        self._janitor_conn = None
                 self._janitor.join(self.options.join_timeout)
                 if self._janitor.is_alive():
                     self._janitor.kill()
@@ -336,7 +447,7 @@ class Runtime:
             if proc.is_alive():
                 proc.kill()
                 proc.join()
-        for name in self.ctls:
+        for name in self.tables:
             self._wake_waiters(name)
         deadline = time.monotonic() + self.options.join_timeout
         for m in self.model_procs:
@@ -353,6 +464,7 @@ class Runtime:
         for m in self.model_procs:
             if not m.conn.closed:
                 m.conn.close()
+
 
     def __enter__(self) -> "Runtime":
         return self.start()
@@ -395,3 +507,22 @@ def Run(target: Optional[Callable] = None, worker_num: int = 1, args: Sequence =
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
+
+
+def _guard_hint(m: _ModelProc) -> str:
+    """A model process that dies while loading under spawn is most often a script without
+    ``if __name__ == "__main__":`` -- the child re-runs it and starts a runtime of its own."""
+    import __main__
+    path = getattr(__main__, "__file__", None)
+    if not path or m.proc.exitcode != 1:
+        return ""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            text = f.read()
+    except OSError:
+        return ""
+    if "__main__" in text:
+        return ""
+    return (f". {os.path.basename(path)} has no `if __name__ == \"__main__\":` guard: model processes "
+            f"are started with 'spawn' and re-import the main script, so the code that starts the "
+            f"runtime must sit under that guard")

@@ -1,14 +1,21 @@
-"""POSIX shared-memory segments and semaphores, and the names they live under.
+"""Where a run's shared objects live, and how they are created, mapped and removed.
 
-Why ``posix_ipc`` and not ``multiprocessing.shared_memory``: before Python 3.13 every *attach*
-of a ``SharedMemory`` registers the segment with ``resource_tracker``, which then unlinks it (and
-prints "leaked shared_memory") when the attaching process exits -- CPython #82300/#104291. The
-segments here are the same ``/dev/shm`` objects, mapped with ``mmap``, with ownership handled
-explicitly: only the creator unlinks, and :func:`sweep_namespace` removes whatever a crashed
-process left behind.
+Every run owns a *namespace* ``sdbi_<owner pid>_<128 random bits>``:
 
-Names: every object carries the run's namespace, ``sdbi_<owner pid>_<random>``, so leftovers of a
-dead owner can be recognised (:func:`sweep_dead_namespaces`) and nothing collides across runs.
+* a directory ``/dev/shm/<namespace>/`` created with ``mkdir(0o700)``: control blocks, slot tables,
+  slot lock files and client slot segments are plain files in it. Other users can neither list,
+  read, create nor squat anything inside; only the owner user can open it.
+* POSIX semaphores ``/dev/shm/sem.<namespace>.*`` (``posix_ipc``: a semaphore name cannot hold a
+  directory). The doorbell exists from start; every per-slot semaphore carries a 64-bit random
+  token drawn at attach, so no other user can create one before its client does.
+
+Why files in a directory and not ``posix_ipc.SharedMemory`` or ``multiprocessing.shared_memory``:
+``shm_open`` is ``open`` on /dev/shm, but cannot use a private directory; and before Python 3.13
+``SharedMemory`` registers every *attach* with ``resource_tracker``, which unlinks the segment and
+warns "leaked shared_memory" when the attaching process exits (CPython #82300/#104291).
+
+Only the creator unlinks; :func:`sweep_namespace` removes whatever a crashed run left, and
+:func:`sweep_dead_namespaces` finds namespaces whose owner process is gone.
 """
 from __future__ import annotations
 
@@ -18,6 +25,7 @@ import mmap
 import os
 import re
 import secrets
+import shutil
 from typing import List, Optional
 
 import numpy as np
@@ -30,9 +38,20 @@ PREFIX = "sdbi_"
 _NS_RE = re.compile(r"^sdbi_(\d+)_[0-9a-f]+$")
 
 
-def new_namespace() -> str:
-    """A fresh namespace owned by this process."""
-    return f"{PREFIX}{os.getpid()}_{secrets.token_hex(4)}"
+def new_namespace(shm_dir: str = SHM_DIR) -> str:
+    """Create a fresh namespace owned by this process (its private directory, mode 0700)."""
+    for _ in range(8):
+        ns = f"{PREFIX}{os.getpid()}_{secrets.token_hex(16)}"
+        try:
+            os.mkdir(os.path.join(shm_dir, ns), 0o700)
+        except FileExistsError:
+            continue
+        return ns
+    raise OSError(errno.EEXIST, "could not create a fresh namespace directory in " + shm_dir)
+
+
+def ns_path(namespace: str, name: str, shm_dir: str = SHM_DIR) -> str:
+    return os.path.join(shm_dir, namespace, name)
 
 
 def check_free_space(nbytes: int, what: str, shm_dir: str = SHM_DIR) -> None:
@@ -50,49 +69,48 @@ def check_free_space(nbytes: int, what: str, shm_dir: str = SHM_DIR) -> None:
 
 
 class Segment:
-    """One mapped POSIX shared-memory segment.
+    """One mapped shared-memory file. ``create`` makes it exclusively (mode 0600) and reserves
+    its pages; ``readonly`` maps it without write access (what clients do with control blocks).
 
     Views made with :meth:`ndarray` keep the mapping exported; drop them before :meth:`close`.
     """
 
-    def __init__(self, name: str, size: int, create: bool):
-        self.name = name
+    def __init__(self, path: str, size: int = 0, create: bool = False, readonly: bool = False,
+                 keep_fd: bool = False):
+        self.path = path
         self.size = int(size)
         self.owner = create
+        self.fd: Optional[int] = None
         self._mmap: Optional[mmap.mmap] = None
         if create:
-            check_free_space(self.size, f"segment {name}")
-            shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=0)
+            check_free_space(self.size, f"segment {os.path.basename(path)}")
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC, 0o600)
             try:
-                try:
-                    # Reserve the pages now: an over-committed tmpfs otherwise kills us with
-                    # SIGBUS on first touch, far from the cause.
-                    os.posix_fallocate(shm.fd, 0, self.size)
-                except OSError as e:
-                    if e.errno in (errno.EOPNOTSUPP, errno.EINVAL):
-                        os.ftruncate(shm.fd, self.size)
-                    else:
-                        raise OSError(e.errno, f"cannot reserve {self.size / 2**20:.1f} MiB "
-                                      f"for {name} in {SHM_DIR}: {e.strerror}") from None
-                self._mmap = mmap.mmap(shm.fd, self.size)
+                _reserve(fd, self.size, path)
+                self._mmap = mmap.mmap(fd, self.size)
             except BaseException:
-                shm.unlink()
+                os.close(fd)
+                _unlink(path)
                 raise
-            finally:
-                os.close(shm.fd)
         else:
-            shm = posix_ipc.SharedMemory(name)
+            fd = os.open(path, (os.O_RDONLY if readonly else os.O_RDWR) | os.O_CLOEXEC)
             try:
-                if size <= 0:
-                    self.size = os.fstat(shm.fd).st_size
-                self._mmap = mmap.mmap(shm.fd, self.size)
-            finally:
-                os.close(shm.fd)
+                if self.size <= 0:
+                    self.size = os.fstat(fd).st_size
+                self._mmap = mmap.mmap(fd, self.size, access=mmap.ACCESS_READ if readonly
+                                       else mmap.ACCESS_WRITE)
+            except BaseException:
+                os.close(fd)
+                raise
+        if keep_fd:
+            self.fd = fd
+        else:
+            os.close(fd)
 
     @property
     def buf(self) -> mmap.mmap:
         if self._mmap is None:
-            raise ValueError(f"segment {self.name} is closed")
+            raise ValueError(f"segment {self.path} is closed")
         return self._mmap
 
     def ndarray(self, offset: int, dtype, shape) -> np.ndarray:
@@ -100,36 +118,69 @@ class Segment:
         count = int(np.prod(shape, dtype=np.int64)) if len(shape) else 1
         return np.frombuffer(self.buf, dtype=dtype, count=count, offset=offset).reshape(shape)
 
-    def address(self) -> int:
-        """Base address of the mapping (for cudaHostRegister)."""
-        return np.frombuffer(self.buf, dtype=np.uint8, count=1).ctypes.data
+    def grow(self, size: int) -> None:
+        """Extend the file (creator only) and remap it; views made before must be dropped first."""
+        if size <= self.size:
+            return
+        check_free_space(size - self.size, f"segment {os.path.basename(self.path)}")
+        _reserve(self.fd, size, self.path)
+        self._mmap.close()
+        self._mmap = mmap.mmap(self.fd, size)
+        self.size = size
+
+    def remap(self) -> None:
+        """Map the file at its current size (after another process extended it)."""
+        size = os.fstat(self.fd).st_size
+        if size != self.size:
+            self._mmap.close()
+            self._mmap = mmap.mmap(self.fd, size)
+            self.size = size
 
     def close(self) -> None:
-        if self._mmap is None:
-            return
-        try:
-            self._mmap.close()
-        except BufferError:
-            # A view is still alive somewhere; the mapping goes when it does.
-            logger.debug("segment %s still has views; leaving the mapping to the GC", self.name)
-        self._mmap = None
+        if self._mmap is not None:
+            try:
+                self._mmap.close()
+            except BufferError:
+                # A view is still alive somewhere; the mapping goes when it does.
+                logger.debug("segment %s still has views; leaving the mapping to the GC", self.path)
+            self._mmap = None
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
 
     def unlink(self) -> None:
-        unlink_shm(self.name)
+        _unlink(self.path)
 
 
-def unlink_shm(name: str) -> None:
+def _reserve(fd: int, size: int, path: str) -> None:
     try:
-        posix_ipc.unlink_shared_memory(name)
-    except posix_ipc.ExistentialError:
+        # Reserve the pages now: an over-committed tmpfs otherwise kills us with SIGBUS on
+        # first touch, far from the cause.
+        os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        if e.errno in (errno.EOPNOTSUPP, errno.EINVAL):
+            os.ftruncate(fd, size)
+        else:
+            raise OSError(e.errno, f"cannot reserve {size / 2**20:.1f} MiB for {path}: "
+                          f"{e.strerror}") from None
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
         pass
+
+
+def unlink_file(path: str) -> None:
+    _unlink(path)
 
 
 def unlink_sem(name: str) -> None:
     try:
         posix_ipc.unlink_semaphore(name)
-    except posix_ipc.ExistentialError:
-        pass
+    except (posix_ipc.ExistentialError, posix_ipc.PermissionsError):
+        pass  # gone already, or another user's
 
 
 def create_semaphore(name: str, initial: int = 0) -> posix_ipc.Semaphore:
@@ -141,34 +192,36 @@ def open_semaphore(name: str) -> posix_ipc.Semaphore:
 
 
 def list_namespace(namespace: str, shm_dir: str = SHM_DIR) -> List[str]:
-    """Entries of /dev/shm belonging to ``namespace`` (semaphores show as ``sem.<name>``)."""
+    """Entries of /dev/shm belonging to ``namespace``: its directory and its semaphores."""
     try:
         entries = os.listdir(shm_dir)
     except OSError:
         return []
-    return [e for e in entries if e.startswith(namespace + ".") or e.startswith("sem." + namespace + ".")]
+    return [e for e in entries if e == namespace or e.startswith("sem." + namespace + ".")]
 
 
 def sweep_namespace(namespace: str, shm_dir: str = SHM_DIR) -> int:
-    """Unlink every segment and semaphore of ``namespace``; returns how many were removed."""
+    """Remove the namespace's directory and every semaphore of it; returns how many entries went."""
     removed = 0
     for entry in list_namespace(namespace, shm_dir):
         if entry.startswith("sem."):
             unlink_sem("/" + entry[4:])
         else:
-            unlink_shm("/" + entry)
+            shutil.rmtree(os.path.join(shm_dir, entry), ignore_errors=True)
         removed += 1
     return removed
 
 
 def pid_alive(pid: int) -> bool:
     """True while process ``pid`` exists and is not a zombie (a killed child nobody reaped yet)."""
+    if pid <= 0:
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
-        return True
+    except (PermissionError, OverflowError):
+        return pid < 2**22 and os.path.exists(f"/proc/{pid}")
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             return f.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")

@@ -1,293 +1,621 @@
-"""Shared-memory layouts: the model's control block and each client's request slot.
+"""The slot protocol: every transition of a client slot, for the client, the model process and
+the reaper alike. Layouts are in :mod:`simpledbi.layout`.
 
 NOTE [slot protocol]
 --------------------
-One *slot* per client thread. The client owns its data segment(s); the model's control block
-holds a one-row-per-slot table that every model process can scan with numpy::
+One *slot* = one request in flight at a time: a lock file, a segment and two semaphores, all
+created by one client (a ``SharedModel`` lends its slots to calls, one call per slot at a time)::
 
-      client (one thread)                         model processes (model_num of them)
-      -------------------                         -----------------------------------
-      write inputs + request header
-      table.state[s] = PUBLISHED   (hint)
-      ready[s].post() -------------------------->  scan: state == PUBLISHED, oldest first
-      doorbell.post() -------------------------->  wake; ready[s].trywait() == claim
-                                                   (exactly one process wins: the kernel's
-                                                    semaphore is the only arbiter, no lock)
-                                                   table.state[s] = CLAIMED, claimer = me
-                                                   gather -> forward -> write outputs
-                                                   response header, state[s] = DONE
-      done[s].wait(timeout) <---------------------  done[s].post()
-      read outputs, state[s] = IDLE
+    client                                          model process (any of model_num)
+    ------                                          --------------------------------
+    attach:  lock s<i>.lock        (an open-file-description lock: index i is mine until I close
+                                    it or die -- the kernel releases it either way)
+             create segment + rdy/don with a fresh 64-bit token; row i = NEW
+    publish: inputs + REQUEST header
+             rdy.post()            (the claim token exists before any hint points at it)
+             row i: rows, key, seq, t_publish, state = PUBLISHED (last)
+             doorbell.post() --------------------->  scan rows: PUBLISHED and not claimed
+                                                     claim:   rdy.trywait()   (exactly one wins)
+                                                              pread REQUEST -> private copy,
+                                                              validate every field against the
+                                                              segment's real size and the model
+                                                              claims[i] = (pid, inst, token, seq)
+                                                     respond: pwrite outputs, RESPONSE, error text
+                                                              pwrite RESP_SEQ = seq (last)
+    wait:    don.wait(poll) <-----------------------          don.post()
+    read:    RESP_SEQ == seq -> outputs; row i: state = IDLE
 
-The table's ``state`` is only a hint that lets the scan skip idle slots; ownership of a request
-is decided by ``ready[s]`` alone, so a stale hint costs one failed trywait, never a duplicate.
-Each field has one writer at a time (client before publish and after done, the claimer in
-between), so the client side needs no lock and nothing is ever held across a crash.
+    withdraw (timeout before a claim): rdy.trywait() succeeds -> row i = IDLE. If it fails, a
+             model process owns the request: the slot is *stale* and is lent again only after
+             the late response (RESP_SEQ == seq) has arrived and been dropped.
+    detach:  withdraw; row i = FREE; unlink segment and semaphores; unlock (last).
+    reap:    (runtime) locking s<i>.lock succeeds on a non-FREE row -> its owner died: unlink its
+             objects, row i = FREE, unlock.
 
-Slot states (hint)::
+Row states (hints, written only by the row's client, or by the reaper once it is dead)::
 
-    FREE --attach--> NEW --publish--> PUBLISHED --claim--> CLAIMED --respond--> DONE --read--> IDLE
-                                ^            | withdraw (timeout before a claim)        |
-                                +------------+-------------<--publish---------------------+
+    FREE --attach--> NEW --publish--> PUBLISHED --read / withdraw--> IDLE --publish--> ...
+      ^-------------------------- detach / reap --------------------------------'
 
-A batch waits for more requests only while some client is IDLE or DONE (it has sent before and
-may send again). A NEW client -- attached, never used, like the slot of the thread that built a
-SharedModel and then handed it to others -- does not hold batches back.
-
-A client that times out after its request was claimed keeps the slot "stale" and drains the
-late response (checked by sequence number) before its next request, so a late result can never
-be returned to a later call.
+Why it cannot cross, lose or wedge:
+* Ownership of a request is the ``rdy`` semaphore's token alone; the kernel decides.
+* A model process never writes the table. Its claims go to the control block (read-only for
+  clients); its answers go into the requester's own segment, tagged with the request's seq,
+  written last. A late answer can only land in its own stale slot, which is not reused before it
+  arrives, so nothing can overwrite a newer request or leave a freed row in a waiting state.
+* A model process never maps a client's segment on the CPU path: it reads and writes it with
+  pread/pwrite on a file descriptor, so a truncated segment gives a short read (a clear error
+  for that client), never SIGBUS; the header it acts on is its own private, validated copy.
+* Hints only order the scan. A wrong hint costs a failed trywait (remembered per seq, so it is
+  not retried) or a delay; a client whose request is not claimed rewrites its own row at every
+  poll interval, so hints damaged by anyone else heal.
 """
 from __future__ import annotations
 
-import zlib
-from dataclasses import dataclass
-from typing import List, Sequence, Tuple
+import fcntl
+import logging
+import math
+import os
+import secrets
+import struct
+import time
+from dataclasses import dataclass, field
+from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
+import posix_ipc
 
-from .shm import Segment
+from .layout import (
+    CLAIM, DATA_OFFSET, DTYPES, REQ_WORD, RESP_WORD, ERR_BYTES, ERR_OFF, FREE, IDLE, MAGIC, MAX_DIM, MAX_IO, MAX_NDIM, NEW,
+    PUBLISHED, REQ_OFF, REQUEST, RESP_OFF, RESP_SEQ_OFF, RESPONSE, ST_BAD_REQUEST, ST_OK,
+    ControlBlock, SlotTable, align, code_dtype, dtype_code, lock_path, segment_path, sem_name,
+    shape_key,
+)
+from .shm import Segment, create_semaphore, open_semaphore, pid_alive, unlink_file, unlink_sem
 
-MAGIC = 0x5344424931  # "SDBI1"
-MAX_IO = 8
-MAX_NDIM = 8
-DESC_WORDS = 4 + MAX_NDIM  # dtype code, ndim, offset, capacity, dims[MAX_NDIM]
+logger = logging.getLogger(__name__)
 
-# slot states (hint, see NOTE [slot protocol])
-FREE, IDLE, PUBLISHED, CLAIMED, DONE, NEW = 0, 1, 2, 3, 4, 5
-# control block states
-STARTING, RUNNING, STOPPING, BROKEN = 0, 1, 2, 3
-# instance states
-INST_LOADING, INST_READY, INST_DEAD = 0, 1, 2
-# response status
-ST_OK, ST_MODEL_ERROR, ST_BAD_REQUEST, ST_STOPPED = 0, 1, 2, 3
-# request flags
-FLAG_PROBE = 1
-
-DTYPES = ("float32", "float16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool",
-          "complex64")
-_DTYPE_CODE = {np.dtype(n): i for i, n in enumerate(DTYPES)}
+_SEQ_BYTES = np.dtype("<i8").itemsize
 
 
-def dtype_code(dtype) -> int:
+class SlotsExhausted(RuntimeError):
+    pass
+
+
+# ================================================================ client side
+class ClientSlot:
+    """The client's half of one slot. Used by one call at a time (SharedModel lends it)."""
+
+    def __init__(self, namespace: str, model: str, ctl: ControlBlock, table: SlotTable, doorbell,
+                 max_shapes: Sequence[Tuple[int, ...]], dtypes: Sequence[np.dtype]):
+        self.namespace, self.model = namespace, model
+        self.ctl, self.table, self.doorbell = ctl, table, doorbell
+        self.pid = os.getpid()
+        self.index, self.lock_fd = _lock_free_index(namespace, model, table, ctl.max_slots)
+        self.token = 0
+        self.seg: Optional[Segment] = None
+        self.ready = self.done = None
+        self.seq = 0
+        self.stale_seq = 0          # a timed-out request a model process still owes an answer to
+        self.woken = 0.0
+        self.interrupted = False    # close() from another thread while a call waits here
+        self.lost_at = 0.0          # since when the request is taken but no claim is visible
+        try:
+            self._create(max_shapes, dtypes)
+        except BaseException:
+            self.detach()
+            raise
+
+    def _create(self, max_shapes, dtypes) -> None:
+        ns, model, i = self.namespace, self.model, self.index
+        if self.table.state[i] != FREE:     # the last owner died and was not reaped yet
+            _unlink_slot_objects(ns, model, i, int(self.table.token[i]))
+        self.token = secrets.randbits(64) | 1
+        self.ready = create_semaphore(sem_name(ns, model, i, self.token, "rdy"))
+        self.done = create_semaphore(sem_name(ns, model, i, self.token, "don"))
+        offsets, size = [], DATA_OFFSET
+        for s, dt in zip(max_shapes, dtypes):
+            nbytes = align(int(np.prod(s)) * dt.itemsize, 64)
+            offsets.append(size)
+            size += nbytes
+        self.seg = Segment(segment_path(ns, model, i, self.token), size, create=True, keep_fd=True)
+        self._map_views()
+        req = self._req
+        req["magic"], req["slot"], req["token"], req["n_in"] = MAGIC, i, self.token, len(max_shapes)
+        req["out_offset"] = size
+        for k, (off, dt) in enumerate(zip(offsets, dtypes)):
+            req["dtype"][0, k], req["offset"][0, k] = dtype_code(dt), off
+        self._inputs = [(dt, off) for off, dt in zip(offsets, dtypes)]
+        self._codes = [dtype_code(dt) for dt in dtypes]
+        self._shapes: List[Optional[tuple]] = [None] * len(max_shapes)   # last shape written per input
+        self._keys = {}
+        t = self.table
+        t.token[i], t.seq[i] = self.token, 0
+        t.state[i] = NEW  # last
+
+    def _map_views(self) -> None:
+        seg = self.seg
+        self._req = seg.ndarray(REQ_OFF, REQUEST, (1,))
+        self._resp = seg.ndarray(RESP_OFF, RESPONSE, (1,))
+        self._resp_seq = seg.ndarray(RESP_SEQ_OFF, np.int64, (1,))
+        self._r_seq, self._r_rows, self._r_t = self._req["seq"], self._req["rows"], self._req["t_publish"]
+        self._r_ndim, self._r_dims = self._req["ndim"][0], self._req["dims"][0]
+        self._in_views, self._out_views = {}, {}
+
+    def _drop_views(self) -> None:
+        self._req = self._resp = self._resp_seq = None
+        self._r_seq = self._r_rows = self._r_t = self._r_ndim = self._r_dims = None
+        self._in_views, self._out_views = {}, {}
+
+    # ------------------------------------------------------------ publish
+    def publish(self, arrays: Sequence[np.ndarray]) -> int:
+        """Write the request and make it claimable; returns its seq."""
+        for k, x in enumerate(arrays):
+            shape = x.shape
+            view = self._in_views.get((k, shape))
+            if view is None:
+                if len(self._in_views) > 256:  # many distinct shapes: keep the cache bounded
+                    self._in_views.clear()
+                dt, off = self._inputs[k]
+                view = self._in_views[(k, shape)] = self.seg.ndarray(off, dt, shape)
+            np.copyto(view, x)
+            if shape != self._shapes[k]:
+                nd = len(shape) - 1
+                self._r_ndim[k] = nd
+                self._r_dims[k, :nd] = shape[1:]
+                self._r_dims[k, nd:] = 0
+                self._shapes[k] = shape
+        rows = arrays[0].shape[0]
+        items = tuple(x.shape[1:] for x in arrays)
+        key = self._keys.get(items)
+        if key is None:
+            if len(self._keys) > 256:
+                self._keys.clear()
+            key = self._keys[items] = shape_key(self._codes, items)
+        self.seq += 1
+        self.lost_at = 0.0
+        seq, now = self.seq, time.monotonic()
+        self._r_rows[0], self._r_t[0], self._r_seq[0] = rows, now, seq
+        self.ready.release()
+        t, i = self.table, self.index
+        t.nrows[i], t.key[i], t.token[i], t.seq[i], t.t_publish[i] = rows, key, self.token, seq, now
+        t.state[i] = PUBLISHED
+        self.doorbell.release()
+        return seq
+
+    def answered(self, seq: int) -> bool:
+        return int(self._resp_seq[0]) == seq
+
+    def wait(self, seq: int, timeout: float) -> bool:
+        """Sleep on ``don`` up to ``timeout``; True once the response to ``seq`` is written."""
+        try:
+            self.done.acquire(max(timeout, 0.0))
+            woke = True
+        except posix_ipc.BusyError:
+            woke = False
+        if int(self._resp_seq[0]) == seq:
+            if not woke:  # written, but its post is still to come: absorb it
+                try:
+                    self.done.acquire(0)
+                except posix_ipc.BusyError:
+                    pass
+            self.woken = time.monotonic()
+            return True
+        return False
+
+    def settled(self) -> bool:
+        """A stale slot may be lent again: its late answer arrived, or its claimer is dead."""
+        if self.answered(self.stale_seq):
+            return True
+        claim = self.claimed_by(self.stale_seq)
+        return claim is not None and not pid_alive(claim[1])
+
+    def wake(self) -> None:
+        """Wake a thread sleeping in :meth:`wait` (close() from another thread)."""
+        self.done.release()
+
+    def withdraw(self) -> bool:
+        """Take back a request no model process has claimed; False if one owns it."""
+        try:
+            self.ready.acquire(0)
+        except posix_ipc.BusyError:
+            return False
+        self.table.state[self.index] = IDLE
+        return True
+
+    def claimed_by(self, seq: int) -> Optional[Tuple[int, int]]:
+        """(instance, pid) of the model process that claimed ``seq``, if its claim is visible."""
+        c = self.ctl.claims[self.index]
+        if int(c["token"]) == self.token and int(c["seq"]) == seq:
+            return int(c["instance"]), int(c["pid"])
+        return None
+
+    def repair_hint(self, seq: int) -> None:
+        """Rewrite this slot's row if anyone else changed it while the request waits unclaimed."""
+        t, i = self.table, self.index
+        if t.state[i] == PUBLISHED and t.seq[i] == seq and t.token[i] == self.token:
+            return
+        t.nrows[i], t.token[i], t.seq[i] = int(self._r_rows[0]), self.token, seq
+        key = self._keys.get(tuple(self._shapes[k][1:] for k in range(len(self._shapes))))
+        t.key[i], t.t_publish[i] = key or 0, float(self._r_t[0])
+        t.state[i] = PUBLISHED
+        self.doorbell.release()
+        logger.debug("slot %d of model %r: its row was changed by someone else; repaired",
+                     i, self.model)
+
+    # ------------------------------------------------------------ read
+    def mark_idle(self) -> None:
+        self.table.state[self.index] = IDLE
+
+    def response(self) -> Tuple[int, str, int]:
+        """(status, error text, structure) of the response just written; reads its header once."""
+        w = self._rw = _RESP_UNPACK(self.seg.buf, RESP_OFF)
+        status = w[_RS_STATUS]
+        text = ""
+        if status != ST_OK:
+            n = min(max(w[_RS_ERRLEN], 0), ERR_BYTES)
+            text = bytes(self.seg.buf[ERR_OFF:ERR_OFF + n]).decode("utf-8", "replace")
+        return status, text, w[_RS_STRUCT]
+
+    def outputs(self) -> List[np.ndarray]:
+        """Copies of the outputs of the response read by :meth:`response`."""
+        w = self._rw
+        if w[_RS_NEEDED] > self.seg.size:  # the model process extended the segment (large outputs)
+            self._drop_views()
+            self.seg.remap()
+            self._map_views()
+        n_out = w[_RS_NOUT]
+        if not 1 <= n_out <= MAX_IO:
+            raise ValueError(f"response with {n_out} outputs")
+        outs = []
+        for j in range(n_out):
+            base = _RS_DIMS + j * (MAX_NDIM + 1)
+            key = (j, w[_RS_DTYPE + j], w[_RS_OFFSET + j], w[base:base + w[_RS_NDIM + j]])
+            view = self._out_views.get(key)
+            if view is None:
+                if len(self._out_views) > 256:
+                    self._out_views.clear()
+                view = self._out_views[key] = self.seg.ndarray(key[2], code_dtype(key[1]), key[3])
+            outs.append(view.copy())
+        return outs
+
+    def timing(self) -> dict:
+        """Where the request just read spent its time (time.monotonic seconds)."""
+        w = self._rw
+        t_close, t_done = _F64.unpack_from(self.seg.buf, RESP_OFF + _RS_TCLOSE * 8)[0], \
+            _F64.unpack_from(self.seg.buf, RESP_OFF + _RS_TDONE * 8)[0]
+        return {"published": float(self._r_t[0]), "batch_closed": t_close, "done": t_done,
+                "woken": self.woken, "batch_rows": w[_RS_ROWS]}
+
+    # ------------------------------------------------------------ detach
+    def detach(self) -> None:
+        """Give the slot back and remove its objects. Only its creator process does this."""
+        if os.getpid() != self.pid:
+            return
+        ns, model, i = self.namespace, self.model, self.index
+        try:
+            if self.ready is not None:
+                try:
+                    self.ready.acquire(0)  # withdraw a request nobody took
+                except posix_ipc.BusyError:
+                    pass
+            if self.token and self.table.state is not None and self.table.token[i] == self.token:
+                self.table.state[i] = FREE
+        finally:
+            self._drop_views()
+            if self.seg is not None:
+                self.seg.close()
+                self.seg.unlink()
+                self.seg = None
+            for which in ("ready", "done"):
+                sem = getattr(self, which)
+                if sem is not None:
+                    sem.close()
+                    setattr(self, which, None)
+            if self.token:
+                unlink_sem(sem_name(ns, model, i, self.token, "rdy"))
+                unlink_sem(sem_name(ns, model, i, self.token, "don"))
+            if self.lock_fd is not None:
+                _lock_fds.discard(self.lock_fd)
+                os.close(self.lock_fd)  # last: releases the index
+                self.lock_fd = None
+            try:  # one client fewer may let a waiting batch close now
+                self.doorbell.release()
+            except Exception:  # noqa: BLE001 - the runtime is already gone
+                pass
+
+
+# struct flock for F_OFD_SETLK: l_type, l_whence, l_start, l_len, l_pid (0 for OFD locks)
+_FLOCK = struct.pack("hhxxxxqqixxxx", fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0)
+_lock_fds: "set[int]" = set()   # this process's slot locks (closed in forked children)
+
+
+def try_lock(fd: int) -> bool:
+    """Take an open-file-description lock on ``fd`` without waiting. Unlike POSIX record locks
+    (``lockf``), it conflicts with another open of the same file in the same process (the
+    runtime's reaper may share a process with its clients), and it is released only when the
+    last descriptor of that open goes: by close, or by the kernel when the process dies."""
     try:
-        return _DTYPE_CODE[np.dtype(dtype)]
-    except (KeyError, TypeError):
-        raise TypeError(f"dtype: expected one of {', '.join(DTYPES)}, got {dtype!r}") from None
+        fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _FLOCK)
+        return True
+    except OSError:
+        return False
 
 
-def code_dtype(code: int) -> np.dtype:
-    return np.dtype(DTYPES[int(code)])
+def _close_inherited_locks() -> None:
+    # A forked child shares its parent's lock descriptions; closing its copies keeps the locks
+    # tied to the parent's lifetime alone.
+    for fd in list(_lock_fds):
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _lock_fds.clear()
 
 
-def align(n: int, a: int = 4096) -> int:
-    return (n + a - 1) // a * a
+os.register_at_fork(after_in_child=_close_inherited_locks)
 
 
-# ---------------------------------------------------------------- control block
-# table rows (int64), one column per slot
-T_GEN, T_ATTACHED, T_OWNER, T_STATE, T_SEQ, T_ROWS, T_KEY, T_CLAIMER = range(8)
-T_ROWS_COUNT = 8
-# header words
-H_MAGIC, H_STATE, H_MAX_SLOTS, H_MODEL_NUM, H_MAX_BATCH, H_BROKEN_CODE, H_MSG_LEN = range(7)
-# instance words
-I_PID, I_STATE, I_DEVICE = range(3)
-I_WORDS = 8
-# output-spec table: key, n_out, is_tuple, valid, then MAX_IO descriptors
-N_SPEC = 32
-SPEC_WORDS = 4 + MAX_IO * DESC_WORDS
-# statistics: per-instance counters and a ring of per-batch records
-C_REQUESTS, C_BATCHES, C_ROWS, C_ERRORS, C_RING_HEAD = range(5)
-N_COUNTERS = 8
-# batch record fields (seconds unless noted); the breakdown of where a batch's time went
-B_FIELDS = ("t_close", "rows", "requests", "queue_wait", "gather", "h2d", "forward", "d2h",
-            "scatter", "runtime", "t_end")
-RING = 4096
-MSG_BYTES = 4096
+def _lock_free_index(namespace: str, model: str, table: SlotTable, max_slots: int):
+    """Lock the first free slot index (free rows first, then rows whose hint may be stale)."""
+    states = table.state.copy()
+    order = np.concatenate([np.flatnonzero(states == FREE), np.flatnonzero(states != FREE)])
+    for i in map(int, order):
+        fd = os.open(lock_path(namespace, model, i), os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
+        if not try_lock(fd):
+            os.close(fd)
+            continue
+        _lock_fds.add(fd)
+        return i, fd
+    raise SlotsExhausted(f"model {model!r}: all {max_slots} client slots are in use "
+                         f"(raise ModelConfig.max_clients)")
+
+
+def _unlink_slot_objects(namespace: str, model: str, slot: int, token: int) -> None:
+    if token:
+        unlink_file(segment_path(namespace, model, slot, token))
+        unlink_sem(sem_name(namespace, model, slot, token, "rdy"))
+        unlink_sem(sem_name(namespace, model, slot, token, "don"))
+
+
+# ================================================================ reaper
+def reap_dead(namespace: str, model: str, table: SlotTable) -> List[int]:
+    """Free the slots whose client died (its lock is free although its row says attached).
+    Called by the runtime's supervisor; returns the reaped slot indices."""
+    reaped = []
+    for i in map(int, np.flatnonzero(table.state != FREE)):
+        try:
+            fd = os.open(lock_path(namespace, model, i), os.O_RDWR | os.O_CLOEXEC)
+        except FileNotFoundError:
+            table.state[i] = FREE  # never attached: a stray hint
+            continue
+        try:
+            if not try_lock(fd):
+                continue  # its owner is alive
+            if table.state[i] == FREE:
+                continue  # detached cleanly meanwhile
+            _unlink_slot_objects(namespace, model, i, int(table.token[i]))
+            table.state[i] = FREE
+            reaped.append(i)
+        finally:
+            os.close(fd)  # releases our lock
+    return reaped
+
+
+# ================================================================ model-process side
+class BadRequest(Exception):
+    """A request that failed validation; ``seq`` is the seq to answer it under."""
+
+    def __init__(self, text: str, seq: int):
+        super().__init__(text)
+        self.seq = seq
 
 
 @dataclass
-class ControlBlock:
-    """Views into one model's control segment."""
+class Limits:
+    """What a model process accepts; everything else from a client is rejected."""
 
-    seg: Segment
-    header: np.ndarray      # int64[16]
-    fheader: np.ndarray     # float64[8]: wait_time
-    instances: np.ndarray   # int64[model_num, I_WORDS]
-    table: np.ndarray       # int64[T_ROWS_COUNT, max_slots]
-    t_publish: np.ndarray   # float64[max_slots]
-    specs: np.ndarray       # int64[model_num, N_SPEC, SPEC_WORDS]
-    counters: np.ndarray    # float64[model_num, N_COUNTERS]
-    ring: np.ndarray        # float64[model_num, RING, len(B_FIELDS)]
-    msg: np.ndarray         # uint8[MSG_BYTES]
+    max_batch: int
+    n_inputs: Optional[int] = None                # known when the model declares its inputs
+    dtypes: Optional[Tuple[np.dtype, ...]] = None
+    max_age: float = 3600.0                       # publish times older than this are clamped
 
-    @staticmethod
-    def size(max_slots: int, model_num: int) -> int:
-        return sum(_ctl_parts(max_slots, model_num)[k][2] for k in _CTL_ORDER)
 
-    @classmethod
-    def create(cls, name: str, max_slots: int, model_num: int, max_batch: int,
-               wait_time: float) -> "ControlBlock":
-        seg = Segment(name, cls.size(max_slots, model_num), create=True)
-        ctl = cls._views(seg, max_slots, model_num)
-        ctl.header[H_STATE] = STARTING
-        ctl.header[H_MAX_SLOTS] = max_slots
-        ctl.header[H_MODEL_NUM] = model_num
-        ctl.header[H_MAX_BATCH] = max_batch
-        ctl.fheader[0] = wait_time
-        ctl.header[H_MAGIC] = MAGIC  # last: attachers check it
-        return ctl
+@dataclass
+class Request:
+    """A claimed request: a private, validated copy of what its client wrote."""
 
-    @classmethod
-    def attach(cls, name: str) -> "ControlBlock":
-        seg = Segment(name, 0, create=False)
-        head = seg.ndarray(0, np.int64, (16,))
-        if int(head[H_MAGIC]) != MAGIC:
-            del head
-            seg.close()
-            raise RuntimeError(f"{name} is not a simpledbi control block (or not ready yet)")
-        max_slots, model_num = int(head[H_MAX_SLOTS]), int(head[H_MODEL_NUM])
-        del head
-        return cls._views(seg, max_slots, model_num)
-
-    @classmethod
-    def _views(cls, seg: Segment, max_slots: int, model_num: int) -> "ControlBlock":
-        parts = _ctl_parts(max_slots, model_num)
-        off, views = 0, {}
-        for k in _CTL_ORDER:
-            dtype, shape, nbytes = parts[k]
-            views[k] = seg.ndarray(off, dtype, shape)
-            off += nbytes
-        return cls(seg=seg, **views)
+    peer: "Peer"
+    seq: int
+    rows: int
+    items: Tuple[Tuple[int, ...], ...]
+    dtypes: Tuple[np.dtype, ...]
+    offsets: Tuple[int, ...]
+    nbytes: Tuple[int, ...]
+    out_offset: int
+    key: int
+    t_publish: float
+    answered: bool = field(default=False)
+    mapped: Optional[tuple] = None                # (mmap, address, size) when mapped for DMA
 
     @property
-    def max_slots(self) -> int:
-        return self.table.shape[1]
+    def slot(self) -> int:
+        return self.peer.slot
 
-    @property
-    def model_num(self) -> int:
-        return self.instances.shape[0]
 
-    @property
-    def state(self) -> int:
-        return int(self.header[H_STATE])
+class Peer:
+    """A model process's handle on one attached slot (slot index + token): a file descriptor on
+    its segment and its two semaphores. The segment is mapped only for CUDA DMA (``map``)."""
 
-    def message(self) -> str:
-        n = int(self.header[H_MSG_LEN])
-        return bytes(self.msg[:n]).decode("utf-8", "replace")
+    def __init__(self, namespace: str, model: str, slot: int, token: int):
+        self.slot, self.token = slot, token
+        self.fd = os.open(segment_path(namespace, model, slot, token), os.O_RDWR | os.O_CLOEXEC)
+        self.ready = self.done = None
+        try:
+            self.ready = open_semaphore(sem_name(namespace, model, slot, token, "rdy"))
+            self.done = open_semaphore(sem_name(namespace, model, slot, token, "don"))
+        except BaseException:
+            self.close()
+            raise
+        self.mapping = None      # (mmap, address, size) once mapped for DMA
+        self.warned = False
 
-    def set_state(self, state: int, message: str = "", code: int = 0) -> None:
-        if message:
-            data = message.encode("utf-8")[:MSG_BYTES]
-            self.msg[:len(data)] = np.frombuffer(data, np.uint8)
-            self.header[H_MSG_LEN] = len(data)
-            self.header[H_BROKEN_CODE] = code
-        self.header[H_STATE] = state
+    def try_claim(self) -> bool:
+        try:
+            self.ready.acquire(0)
+            return True
+        except posix_ipc.BusyError:
+            return False
+
+    def read_request(self, limits: Limits, seq_hint: int, now: float) -> Request:
+        """Read the request header into private memory and validate every field (raises
+        BadRequest with a message for the client)."""
+        raw = os.pread(self.fd, REQUEST.itemsize, REQ_OFF)
+        if len(raw) != REQUEST.itemsize:
+            raise BadRequest("the request header is cut short (the slot's segment was truncated)",
+                             seq_hint)
+        w = _unpack_words(raw)  # plain ints, read once: the client cannot change them under us
+        seq = w[_RQ_SEQ]
+        if (w[_RQ_MAGIC] & _U64) != MAGIC or w[_RQ_SLOT] != self.slot or (w[_RQ_TOKEN] & _U64) != self.token:
+            raise BadRequest("the request header does not belong to this slot (overwritten)", seq_hint)
+        if not 0 < seq < 2**62:
+            raise BadRequest(f"request sequence number {seq} is out of range", seq_hint)
+        rows, n_in, flags = w[_RQ_ROWS], w[_RQ_NIN], w[_RQ_FLAGS]
+        if not 1 <= rows <= limits.max_batch:
+            raise BadRequest(f"expected 1..{limits.max_batch} rows (max_batch_size), got {rows}", seq)
+        if not 1 <= n_in <= MAX_IO:
+            raise BadRequest(f"expected 1..{MAX_IO} inputs, got {n_in}", seq)
+        if limits.n_inputs is not None and n_in != limits.n_inputs:
+            raise BadRequest(f"the model takes {limits.n_inputs} input(s), got {n_in}", seq)
+        if flags:
+            raise BadRequest(f"unknown request flags {flags:#x}", seq)
+        size = os.fstat(self.fd).st_size
+        out_offset = w[_RQ_OUT]
+        if not (DATA_OFFSET <= out_offset <= size and out_offset % 64 == 0):
+            raise BadRequest(f"output offset {out_offset} is outside the slot's segment of {size} bytes", seq)
+        items, dtypes, offsets, nbytes = [], [], [], []
+        for k in range(n_in):
+            code, ndim, off = w[_RQ_DTYPE + k], w[_RQ_NDIM + k], w[_RQ_OFFSET + k]
+            if not 0 <= code < len(DTYPES):
+                raise BadRequest(f"input {k}: unknown dtype code {code}", seq)
+            dt = code_dtype(code)
+            if limits.dtypes is not None and dt != limits.dtypes[k]:
+                raise BadRequest(f"input {k}: expected {limits.dtypes[k]}, got {dt}", seq)
+            if not 0 <= ndim <= MAX_NDIM:
+                raise BadRequest(f"input {k}: expected 0..{MAX_NDIM} item dimensions, got {ndim}", seq)
+            base = _RQ_DIMS + k * MAX_NDIM
+            dims = tuple(w[base:base + ndim])
+            if not all(1 <= d <= MAX_DIM for d in dims):
+                raise BadRequest(f"input {k}: item shape {dims} has a dimension outside 1..{MAX_DIM}", seq)
+            n = rows * math.prod(dims) * dt.itemsize
+            if not (off >= DATA_OFFSET and off % 64 == 0 and off + n <= size):
+                raise BadRequest(f"input {k}: {n} bytes at offset {off} do not fit the slot's segment "
+                                 f"of {size} bytes", seq)
+            items.append(dims)
+            dtypes.append(dt)
+            offsets.append(off)
+            nbytes.append(n)
+        t = _F64.unpack_from(raw, _RQ_T * 8)[0]
+        if not (math.isfinite(t) and now - limits.max_age <= t <= now):
+            t = now
+        sig = (tuple(dtypes), tuple(items))
+        key = _KEYS.get(sig)
+        if key is None:
+            if len(_KEYS) > 4096:
+                _KEYS.clear()
+            key = _KEYS[sig] = shape_key([dtype_code(d) for d in dtypes], items)
+        return Request(self, seq, rows, tuple(items), tuple(dtypes), tuple(offsets), tuple(nbytes),
+                       out_offset, key, t)
+
+    def respond(self, seq: int, status: int, text: str = "", outputs: Sequence[np.ndarray] = (),
+                out_offset: int = 0, structure: int = 0, claimer: int = 0, t_close: float = 0.0,
+                batch_rows: int = 0) -> None:
+        """Write outputs (rows of this request), the response header and, last, RESP_SEQ; then
+        wake the client. Never raises for a client's fault: a write that fails (the client's
+        segment is gone or /dev/shm is full) turns into an error response or is dropped."""
+        w = [0] * _RESP_WORDS
+        try:
+            if status == ST_OK:
+                off = end = out_offset
+                for j, o in enumerate(outputs):
+                    o = np.ascontiguousarray(o)
+                    if o.nbytes:
+                        os.pwrite(self.fd, o.reshape(-1).view(np.uint8), off)
+                    w[_RS_DTYPE + j], w[_RS_NDIM + j], w[_RS_OFFSET + j] = dtype_code(o.dtype), o.ndim, off
+                    base = _RS_DIMS + j * (MAX_NDIM + 1)
+                    w[base:base + o.ndim] = o.shape
+                    end = off + o.nbytes
+                    off = align(end, 64)
+                w[_RS_NOUT], w[_RS_STRUCT], w[_RS_NEEDED] = len(outputs), structure, end
+        except OSError as e:
+            status, text = ST_BAD_REQUEST, f"could not write the outputs into the client's slot: {e}"
+        try:
+            if text:
+                data = text.encode("utf-8", "replace")[:ERR_BYTES]
+                os.pwrite(self.fd, data, ERR_OFF)
+                w[_RS_ERRLEN] = len(data)
+            w[_RS_STATUS], w[_RS_CLAIMER], w[_RS_ROWS] = status, claimer, batch_rows
+            buf = bytearray(_I64S.pack(*w))
+            _F64.pack_into(buf, _RS_TCLOSE * 8, t_close)
+            _F64.pack_into(buf, _RS_TDONE * 8, time.monotonic())
+            os.pwrite(self.fd, buf, RESP_OFF)
+            os.pwrite(self.fd, _I64.pack(seq), RESP_SEQ_OFF)  # last
+        except OSError:
+            logger.debug("slot %d: the response could not be written", self.slot, exc_info=True)
+        self.done.release()
+
+    def map(self) -> Optional[Tuple[int, int]]:
+        """Map the segment (for registration and DMA by the device); (address, size) or None."""
+        if self.mapping is None:
+            import mmap
+            try:
+                size = os.fstat(self.fd).st_size
+                m = mmap.mmap(self.fd, size)
+                address = np.frombuffer(m, np.uint8, count=1).ctypes.data
+            except (OSError, ValueError):
+                return None
+            self.mapping = (m, address, size)
+        return self.mapping[1], self.mapping[2]
 
     def close(self) -> None:
-        for k in _CTL_ORDER:
-            setattr(self, k, None)
-        self.seg.close()
+        if self.mapping is not None:
+            try:
+                self.mapping[0].close()
+            except BufferError:
+                pass
+            self.mapping = None
+        for sem in (self.ready, self.done):
+            if sem is not None:
+                sem.close()
+        self.ready = self.done = None
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
 
 
-_CTL_ORDER = ("header", "fheader", "instances", "table", "t_publish", "specs", "counters", "ring",
-              "msg")
+def write_claim(words: np.ndarray, slot: int, token: int, seq: int, instance: int, pid: int) -> None:
+    """Record who owns a slot's request (the client checks that process's liveness).
+    ``words`` is ``claim_words(ctl)``."""
+    row = words[slot]
+    row[_CL_PID], row[_CL_INST] = pid, instance
+    row[_CL_TOKEN] = token - 2**64 if token >= 2**63 else token
+    row[_CL_SEQ] = seq  # last
 
 
-def _ctl_parts(max_slots: int, model_num: int):
-    def part(dtype, shape):
-        return (dtype, shape, align(int(np.prod(shape)) * np.dtype(dtype).itemsize, 64))
-    return {
-        "header": part(np.int64, (16,)),
-        "fheader": part(np.float64, (8,)),
-        "instances": part(np.int64, (model_num, I_WORDS)),
-        "table": part(np.int64, (T_ROWS_COUNT, max_slots)),
-        "t_publish": part(np.float64, (max_slots,)),
-        "specs": part(np.int64, (model_num, N_SPEC, SPEC_WORDS)),
-        "counters": part(np.float64, (model_num, N_COUNTERS)),
-        "ring": part(np.float64, (model_num, RING, len(B_FIELDS))),
-        "msg": part(np.uint8, (MSG_BYTES,)),
-    }
+def claim_words(ctl: ControlBlock) -> np.ndarray:
+    """The claims table as int64 words, one row per slot (fast to write field by field)."""
+    return ctl.claims.view(np.int64).reshape(ctl.max_slots, CLAIM.itemsize // 8)
 
 
-# ---------------------------------------------------------------- client slot segment
-HDR_WORDS = 256
-# request words
-R_SEQ, R_ROWS, R_NIN, R_FLAGS = 0, 1, 2, 3
-R_DESC = 8
-# response words
-P_BASE = 128
-P_SEQ, P_STATUS, P_NOUT, P_TUPLE, P_ERRLEN, P_CLAIMER, P_OUT_BYTES = (P_BASE + i for i in range(7))
-P_DESC = P_BASE + 8
-# float words (seconds, time.monotonic clock)
-F_PUBLISH, F_CLOSE, F_DONE, F_BATCH_ROWS = range(4)
-F_WORDS = 16
-ERR_BYTES = 8192
-DATA_OFFSET = align(HDR_WORDS * 8 + F_WORDS * 8 + ERR_BYTES)
-
-
-def desc_view(words: np.ndarray, base: int, i: int) -> np.ndarray:
-    return words[base + i * DESC_WORDS: base + (i + 1) * DESC_WORDS]
-
-
-def write_desc(d: np.ndarray, dtype_c: int, shape: Sequence[int], offset: int = -1,
-               capacity: int = -1) -> None:
-    d[0] = dtype_c
-    d[1] = len(shape)
-    if offset >= 0:
-        d[2] = offset
-        d[3] = capacity
-    d[4:4 + len(shape)] = shape
-    d[4 + len(shape):] = 0
-
-
-def read_desc(d: np.ndarray) -> Tuple[np.dtype, Tuple[int, ...], int, int]:
-    ndim = int(d[1])
-    return code_dtype(d[0]), tuple(int(x) for x in d[4:4 + ndim]), int(d[2]), int(d[3])
-
-
-def shape_key(dtype_codes: Sequence[int], item_shapes: Sequence[Sequence[int]], flags: int) -> int:
-    """Requests with equal keys have equal item shapes and dtypes (up to CRC collisions, which the
-    model process checks against the real descriptors)."""
-    words: List[int] = [flags, len(item_shapes)]
-    for c, s in zip(dtype_codes, item_shapes):
-        words += [c, len(s), *s]
-    return zlib.crc32(np.asarray(words, np.int64).tobytes()) + 1
-
-
-def slot_name(namespace: str, model: str, slot: int, gen: int, part: str) -> str:
-    return f"/{namespace}.{model}.s{slot}.g{gen}.{part}"
-
-
-def ctl_name(namespace: str, model: str) -> str:
-    return f"/{namespace}.{model}.ctl"
-
-
-def doorbell_name(namespace: str, model: str) -> str:
-    return f"/{namespace}.{model}.door"
-
-
-def sem_name(namespace: str, model: str, slot: int, which: str) -> str:
-    return f"/{namespace}.{model}.s{slot}.{which}"
-
-
-class SlotViews:
-    """Header views of one client slot's input segment (shared by client and model code)."""
-
-    def __init__(self, seg: Segment):
-        self.seg = seg
-        self.words = seg.ndarray(0, np.int64, (HDR_WORDS,))
-        self.floats = seg.ndarray(HDR_WORDS * 8, np.float64, (F_WORDS,))
-        self.err = seg.ndarray(HDR_WORDS * 8 + F_WORDS * 8, np.uint8, (ERR_BYTES,))
-
-    def set_error(self, text: str) -> None:
-        data = text.encode("utf-8", "replace")[:ERR_BYTES]
-        self.err[:len(data)] = np.frombuffer(data, np.uint8)
-        self.words[P_ERRLEN] = len(data)
-
-    def error_text(self) -> str:
-        n = int(self.words[P_ERRLEN])
-        return bytes(self.err[:n]).decode("utf-8", "replace")
-
-    def release(self) -> None:
-        self.words = self.floats = self.err = None
+_KEYS: dict = {}   # (dtypes, item shapes) -> shape_key, in a model process
+_U64 = 2**64 - 1
+_F64, _I64 = struct.Struct("<d"), struct.Struct("<q")
+_RQ_WORDS, _RESP_WORDS = REQUEST.itemsize // 8, RESPONSE.itemsize // 8
+_I64S = struct.Struct(f"<{_RESP_WORDS}q")
+_RESP_UNPACK = _I64S.unpack_from
+_unpack_words = struct.Struct(f"<{_RQ_WORDS}q").unpack
+(_RQ_MAGIC, _RQ_SLOT, _RQ_TOKEN, _RQ_SEQ, _RQ_ROWS, _RQ_NIN, _RQ_FLAGS, _RQ_OUT, _RQ_T, _RQ_DTYPE,
+ _RQ_NDIM, _RQ_OFFSET, _RQ_DIMS) = (REQ_WORD[n] for n in REQUEST.names)
+_CL_TOKEN, _CL_SEQ, _CL_INST, _CL_PID = (CLAIM.fields[n][1] // 8 for n in ("token", "seq", "instance", "pid"))
+(_RS_STATUS, _RS_NOUT, _RS_STRUCT, _RS_ERRLEN, _RS_CLAIMER, _RS_ROWS, _RS_NEEDED, _RS_TCLOSE,
+ _RS_TDONE, _RS_DTYPE, _RS_NDIM, _RS_OFFSET, _RS_DIMS) = (RESP_WORD[n] for n in RESPONSE.names)

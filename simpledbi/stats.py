@@ -9,7 +9,7 @@ from typing import Optional
 
 import numpy as np
 
-from .slots import B_FIELDS, C_BATCHES, C_ERRORS, C_REQUESTS, C_RING_HEAD, C_ROWS, RING
+from .layout import B_FIELDS, RING
 
 STAGES = ("queue_wait", "gather", "h2d", "forward", "d2h", "scatter", "runtime")
 
@@ -21,7 +21,7 @@ def batch_records(ctl, since: Optional[float] = None, until: Optional[float] = N
     """
     out = []
     for inst in range(ctl.model_num):
-        head = int(ctl.counters[inst, C_RING_HEAD])
+        head = int(ctl.counters["ring_head"][inst])
         n = min(head, RING)
         if n == 0:
             continue
@@ -42,14 +42,17 @@ def batch_records(ctl, since: Optional[float] = None, until: Optional[float] = N
 def summarize(ctl) -> dict:
     """Counters since start plus mean per-batch stage times (seconds) over the recent batches."""
     c = ctl.counters
-    requests = int(c[:, C_REQUESTS].sum())
-    batches = int(c[:, C_BATCHES].sum())
-    rows = int(c[:, C_ROWS].sum())
+    requests = int(c["requests"].sum())
+    batches = int(c["batches"].sum())
+    rows = int(c["rows"].sum())
     out = {
         "requests": requests,
         "batches": batches,
         "rows": rows,
-        "errors": int(c[:, C_ERRORS].sum()),
+        "errors": int(c["errors"].sum()),
+        "isolated_batches": int(c["isolated"].sum()),
+        "bad_requests": int(c["bad_requests"].sum()),
+        "restarts": int(ctl.instances["restarts"].sum()),
         "mean_batch_size": rows / batches if batches else 0.0,
         "mean_requests_per_batch": requests / batches if batches else 0.0,
     }

@@ -143,3 +143,14 @@ class Syncing(nn.Module):
 
 def syncing():
     return Syncing()
+
+
+class Expand(nn.Module):
+    """(r, n) -> (r, 64 n): outputs much larger than the request."""
+
+    def forward(self, x):
+        return x.repeat_interleave(64, dim=1)
+
+
+def expand():
+    return Expand()

@@ -11,7 +11,7 @@ import torch
 
 from simpledbi import ModelConfig, ModelError, SharedModel
 from simpledbi.errors import RemoteTraceback
-from simpledbi.slots import PUBLISHED, T_STATE
+from simpledbi.layout import PUBLISHED
 
 from . import models
 from .conftest import cpu_model
@@ -107,9 +107,10 @@ def test_model_exception_reaches_the_caller_with_its_traceback(start_runtime):
         assert model.stats()["errors"] == 3
 
 
-def test_every_caller_of_a_failed_batch_gets_the_error(start_runtime, gate):
+@pytest.mark.parametrize("isolate", [False, True])
+def test_a_poisoned_batch_fails_only_the_culprit_when_isolating(start_runtime, gate, isolate):
     rt = start_runtime(cpu_model("faulty", functools.partial(models.faulty, gate.name),
-                                 max_batch_size=4, wait_time=30.0))
+                                 max_batch_size=4, wait_time=30.0, isolate_errors=isolate))
     model = SharedModel("faulty", max_shape=(1, 3), namespace=rt.namespace)
     outcomes = {}
 
@@ -126,9 +127,9 @@ def test_every_caller_of_a_failed_batch_gets_the_error(start_runtime, gate):
                for i in range(4)]
     for t in threads:
         t.start()
-    table = model.ctl.table
+    state = model._h.table.state
     deadline = time.monotonic() + 30
-    while np.count_nonzero(table[T_STATE] == PUBLISHED) < 4 and time.monotonic() < deadline:
+    while np.count_nonzero(state == PUBLISHED) < 4 and time.monotonic() < deadline:
         threading.Event().wait(0.005)  # a bounded wait on a shared-memory condition
     batches = model.stats()["batches"]
     gate.open()
@@ -136,8 +137,14 @@ def test_every_caller_of_a_failed_batch_gets_the_error(start_runtime, gate):
         t.join(60)
     # The four queued requests fill one batch (max_batch_size=4), poisoned by request 0.
     assert len(outcomes) == 5 and not isinstance(outcomes.pop("blocker"), Exception)
-    assert all(isinstance(v, ModelError) for v in outcomes.values()), outcomes
     assert model.stats()["batches"] == batches + 2  # the gated batch, then the poisoned one
+    assert isinstance(outcomes[0], ModelError) and "poisoned input" in str(outcomes[0])
+    if isolate:  # bisection finds the culprit: the three innocent callers get their answers
+        for i in (1, 2, 3):
+            np.testing.assert_array_equal(outcomes[i], np.full((1, 3), i * 2 + 1, np.float32))
+        assert model.stats()["isolated_batches"] == 1 and model.stats()["errors"] == 1
+    else:
+        assert all(isinstance(v, ModelError) for v in outcomes.values()), outcomes
     model.close()
 
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from simpledbi import ModelProcessDied, SharedModel
-from simpledbi.slots import T_ATTACHED
+from simpledbi.layout import FREE
 
 from . import models
 from .conftest import cpu_model, ours
@@ -79,11 +79,23 @@ def test_worker_that_dies_is_reported_with_its_exit_code():
 
 
 @pytest.mark.timeout(120)
-def test_model_process_crash_is_reported_not_waited_on():
+def test_model_process_crash_fails_its_callers_and_is_restarted():
     proc, out, err = _run("model_dies")
-    assert proc.returncode == 4, err
-    assert "MODELDIED exitcode=-11" in out and "SIGSEGV" in out
+    assert proc.returncode == 0, err
+    # The caller whose request crashed the process is told at once; the instance is restarted
+    # and every worker's later requests are served.
+    assert "CAUGHT model 'm': model process" in out and "died while computing this request" in out
+    assert "RESULT [0, 1, 2]" in out
+    assert "SIGSEGV" in err and "restarting it" in err
     assert "leaked" not in err and "resource_tracker" not in err
+    assert ours(proc.pid) == []
+
+
+@pytest.mark.timeout(120)
+def test_model_that_keeps_crashing_is_marked_broken_and_run_raises():
+    proc, out, err = _run("model_broken")
+    assert proc.returncode == 4, err
+    assert "MODELDIED" in out and "marked broken" in out and "SIGSEGV" in out
     assert ours(proc.pid) == []
 
 
@@ -162,11 +174,12 @@ def test_slot_of_a_killed_client_process_is_reaped(start_runtime):
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                          timeout=60)
     assert "ATTACHED" in out.stdout, out.stderr
-    table = rt.ctls["affine"].table
+    state = rt.tables["affine"].state
     deadline = time.monotonic() + 30
-    while table[T_ATTACHED].any() and time.monotonic() < deadline:
+    while (state != FREE).any() and time.monotonic() < deadline:
         threading.Event().wait(0.02)  # bounded wait for the reaper's condition
-    assert not table[T_ATTACHED].any()
-    assert [e for e in ours() if ".s0." in e] == []  # its segments and semaphores are gone
+    assert not (state != FREE).any()
+    files = os.listdir(os.path.join("/dev/shm", rt.namespace))
+    assert [e for e in ours() + files if ".s0." in e and not e.endswith(".lock")] == []  # all gone
     with SharedModel("affine", max_shape=(1, 2), namespace=rt.namespace) as model:  # slot reusable
         np.testing.assert_array_equal(model.forward(np.ones((1, 2), np.float32)), np.full((1, 2), 3.0))

@@ -129,18 +129,19 @@ def test_model_num_2_serves_two_batches_at_once(start_runtime, sem_prefix):
     model.close()
 
 
-def test_client_with_an_unseen_max_shape_learns_the_output_shapes(start_runtime):
-    # input_shapes makes the model publish its output spec at warm-up; another shape probes.
-    rt = start_runtime(cpu_model("mean", models.channel_mean, max_batch_size=4,
-                                 input_shapes=[(3, 8, 8)]))
-    with SharedModel("mean", max_shape=(1, 3, 8, 8), namespace=rt.namespace) as warm:
-        assert warm.stats()["requests"] == 0  # no probe needed
-        probed = SharedModel("mean", max_shape=(2, 5, 4, 4), namespace=rt.namespace)
-        assert warm.stats()["requests"] == 1  # one probe request
+def test_attaching_sends_nothing_and_outputs_of_any_size_come_back(start_runtime):
+    # No probe: output shapes come with each answer, and outputs larger than the request (64x
+    # here) extend the client's segment.
+    rt = start_runtime(cpu_model("mean", models.channel_mean, max_batch_size=4),
+                       cpu_model("expand", models.expand, max_batch_size=4))
+    with SharedModel("mean", max_shape=(2, 5, 8, 8), namespace=rt.namespace) as mean, \
+            SharedModel("expand", max_shape=(2, 3), namespace=rt.namespace) as expand:
+        assert mean.stats()["requests"] == 0 and expand.stats()["requests"] == 0
         x = np.ones((2, 5, 4, 4), np.float32)
-        np.testing.assert_array_equal(probed.forward(x), np.ones((2, 5), np.float32))
-        np.testing.assert_array_equal(warm.forward(np.ones((1, 3, 8, 8), np.float32)), np.ones((1, 3)))
-        probed.close()
+        np.testing.assert_array_equal(mean.forward(x), np.ones((2, 5), np.float32))
+        for rows in (1, 2, 1):
+            y = np.arange(rows * 3, dtype=np.float32).reshape(rows, 3)
+            np.testing.assert_array_equal(expand.forward(y), np.repeat(y, 64, axis=1))
 
 
 def test_torchscript_and_torch_export_files(start_runtime, tmp_path):

@@ -8,7 +8,7 @@ import time
 import numpy as np
 
 from simpledbi import SharedModel
-from simpledbi.slots import T_ATTACHED
+from simpledbi.layout import FREE
 
 
 def affine_worker(rank, n_requests, max_rows, seed):
@@ -28,7 +28,7 @@ def load_worker(rank, n_requests, n_workers):
     # Start line: wait until every worker has attached, so the load really overlaps (on a busy
     # 2-core machine one worker can otherwise finish before the next one has even started).
     deadline = time.monotonic() + 60
-    while np.count_nonzero(model.ctl.table[T_ATTACHED]) < n_workers and time.monotonic() < deadline:
+    while np.count_nonzero(model._h.table.state != FREE) < n_workers and time.monotonic() < deadline:
         threading.Event().wait(0.01)  # a bounded wait on a shared-memory condition
     rng = np.random.default_rng(rank)
     for _ in range(n_requests):

@@ -3,8 +3,10 @@
     python -m tests.apps.app MODE
 
 MODE: ok | worker_raises | worker_dies | busy (loops until signalled; prints READY <janitor pid>)
-| model_dies (the model process segfaults mid-request)
+| model_dies (a request segfaults its model process once: it is restarted, the run goes on)
+| model_broken (every request segfaults: after max_restarts the model is broken and Run raises)
 """
+import logging
 import os
 import sys
 
@@ -26,10 +28,26 @@ def faulty():
 def worker(rank, mode):
     model = SharedModel("m", max_shape=(2, 3))
     x = np.full((2, 3), rank, np.float32)
+    if mode == "model_broken":
+        while True:  # every call crashes a model process, until the model is declared broken
+            try:
+                model.forward(np.full((1, 3), -11.0, np.float32))
+            except ModelProcessDied:
+                continue
     if mode == "model_dies" and rank == 0:
-        model.forward(np.full((1, 3), -11.0, np.float32))  # SEGFAULT marker
+        try:
+            model.forward(np.full((1, 3), -11.0, np.float32))  # SEGFAULT marker
+            raise AssertionError("the segfaulting request returned")
+        except ModelProcessDied as e:
+            print(f"CAUGHT {e}", flush=True)
     for i in range(20 if mode != "busy" else 10**9):
-        np.testing.assert_array_equal(model.forward(x), x * 2 + 1)
+        try:
+            y = model.forward(x)
+        except ModelProcessDied:
+            if mode != "model_dies":
+                raise
+            y = model.forward(x)  # batched with the crashing request: retried, served
+        np.testing.assert_array_equal(y, x * 2 + 1)
         if mode == "busy" and i == 0:
             print("READY", flush=True)
     if mode == "worker_raises" and rank == 1:
@@ -40,9 +58,10 @@ def worker(rank, mode):
 
 
 def main(mode):
-    factory = faulty if mode == "model_dies" else affine
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    factory = faulty if mode in ("model_dies", "model_broken") else affine
     cfg = ModelConfig(name="m", factory=factory, max_batch_size=4, model_num=2, wait_time=0.001,
-                      device="cpu", num_threads=1)
+                      device="cpu", num_threads=1, max_restarts=1, restart_backoff=0.05)
     try:
         out = Run(target=worker, worker_num=3, args=(mode,), models=[cfg],
                   options=RuntimeOptions(poll_interval=0.05))

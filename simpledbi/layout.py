@@ -1,0 +1,282 @@
+"""The shared-memory layouts, as types: numpy structured dtypes viewed over the files in a
+namespace's directory. Who may write what is part of each layout's definition:
+
+=================  ==========================================  ===========================
+file               contents                                     writers
+=================  ==========================================  ===========================
+``<m>.ctl``        HEADER, INSTANCE rows, CLAIM rows (one per     runtime + model processes;
+                   slot), COUNTERS, the batch ring, a message     clients map it read-only
+``<m>.table``      SLOT rows: one per slot, *hints* for the       each client its own row (the
+                   model processes' scan                          reaper once it is dead)
+``<m>.s<i>.lock``  empty; a POSIX lock on it = slot i is taken    its client
+``<m>.s<i>.<tok>`` REQUEST header, RESPONSE header + RESP_SEQ,    client: request + inputs;
+                   error text, input regions, output regions      model: the rest, by pwrite
+=================  ==========================================  ===========================
+
+Everything a client can write is input to a model process and is validated there
+(:mod:`simpledbi.slots`); nothing a model process must trust lives where a client can write it.
+"""
+from __future__ import annotations
+
+import zlib
+from typing import List, Sequence
+
+import numpy as np
+
+from .shm import Segment, ns_path
+
+MAGIC = 0x31494244535F  # "_SDBI1"
+VERSION = 2
+MAX_IO = 8          # inputs and outputs per request
+MAX_NDIM = 8        # dimensions of one item (an input or output row)
+MAX_DIM = 2**31     # largest single dimension accepted from a client
+
+DTYPES = ("float32", "float16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool",
+          "complex64")
+_DTYPE_CODE = {np.dtype(n): i for i, n in enumerate(DTYPES)}
+_CODE_DTYPE = tuple(np.dtype(n) for n in DTYPES)
+
+
+def dtype_code(dtype) -> int:
+    try:
+        return _DTYPE_CODE[np.dtype(dtype)]
+    except (KeyError, TypeError):
+        raise TypeError(f"dtype: expected one of {', '.join(DTYPES)}, got {dtype!r}") from None
+
+
+def code_dtype(code: int) -> np.dtype:
+    """The dtype of a code; raises ValueError for a code out of range (it may come from a client)."""
+    if not 0 <= code < len(_CODE_DTYPE):
+        raise ValueError(f"unknown dtype code {code}")
+    return _CODE_DTYPE[code]
+
+
+def align(n: int, a: int = 4096) -> int:
+    return (n + a - 1) // a * a
+
+
+def shape_key(dtype_codes: Sequence[int], item_shapes: Sequence[Sequence[int]]) -> int:
+    """Requests with equal keys have equal item shapes and dtypes (the model process recomputes
+    the key from the validated request header; a client's key hint only orders the scan)."""
+    words: List[int] = [len(item_shapes)]
+    for c, s in zip(dtype_codes, item_shapes):
+        words += [c, len(s), *s]
+    return zlib.crc32(np.asarray(words, np.int64).tobytes()) + 1
+
+
+# ---------------------------------------------------------------- control block (<m>.ctl)
+# model states
+STARTING, RUNNING, STOPPING, BROKEN = 0, 1, 2, 3
+# instance states
+INST_LOADING, INST_READY, INST_DEAD, INST_RESTARTING = 0, 1, 2, 3
+
+HEADER = np.dtype([
+    ("magic", "<u8"), ("version", "<i8"), ("state", "<i8"), ("max_slots", "<i8"),
+    ("model_num", "<i8"), ("max_batch", "<i8"), ("wait_time", "<f8"), ("supervisor_pid", "<i8"),
+    ("broken_code", "<i8"), ("msg_len", "<i8"), ("reserved", "<i8", (6,)),
+])
+INSTANCE = np.dtype([
+    ("pid", "<i8"), ("state", "<i8"), ("device", "<i8"), ("restarts", "<i8"), ("t_start", "<f8"),
+    ("reserved", "<i8", (3,)),
+])
+# Written by the model process that claimed the slot's request: pid and instance first, then
+# token and seq (a client trusts a claim only when token and seq are its own).
+CLAIM = np.dtype([("token", "<u8"), ("seq", "<i8"), ("instance", "<i8"), ("pid", "<i8")])
+COUNTERS = np.dtype([
+    ("requests", "<i8"), ("batches", "<i8"), ("rows", "<i8"), ("errors", "<i8"),
+    ("ring_head", "<i8"), ("isolated", "<i8"), ("bad_requests", "<i8"), ("reserved", "<i8"),
+])
+# batch record fields (seconds unless noted): where a batch's time went
+B_FIELDS = ("t_close", "rows", "requests", "queue_wait", "gather", "h2d", "forward", "d2h",
+            "scatter", "runtime", "t_end")
+RING = 4096
+MSG_BYTES = 4096
+
+
+def _parts(max_slots: int, model_num: int):
+    def part(dtype, shape):
+        return dtype, shape, align(int(np.prod(shape)) * np.dtype(dtype).itemsize, 64)
+    return {
+        "header": part(HEADER, (1,)),
+        "instances": part(INSTANCE, (model_num,)),
+        "claims": part(CLAIM, (max_slots,)),
+        "counters": part(COUNTERS, (model_num,)),
+        "ring": part(np.float64, (model_num, RING, len(B_FIELDS))),
+        "msg": part(np.uint8, (MSG_BYTES,)),
+    }
+
+
+class ControlBlock:
+    """Views into one model's control file. Clients attach it read-only."""
+
+    PARTS = ("header", "instances", "claims", "counters", "ring", "msg")
+
+    def __init__(self, seg: Segment, max_slots: int, model_num: int):
+        self.seg = seg
+        off = 0
+        for k, (dtype, shape, nbytes) in _parts(max_slots, model_num).items():
+            setattr(self, k, seg.ndarray(off, dtype, shape))
+            off += nbytes
+        self.hdr = self.header.reshape(())   # 0-d record: hdr["state"] reads and writes in place
+
+    @staticmethod
+    def size(max_slots: int, model_num: int) -> int:
+        return sum(p[2] for p in _parts(max_slots, model_num).values())
+
+    @classmethod
+    def create(cls, namespace: str, model: str, max_slots: int, model_num: int, max_batch: int,
+               wait_time: float, supervisor_pid: int) -> "ControlBlock":
+        seg = Segment(ctl_path(namespace, model), cls.size(max_slots, model_num), create=True)
+        ctl = cls(seg, max_slots, model_num)
+        h = ctl.hdr
+        h["version"], h["state"], h["max_slots"] = VERSION, STARTING, max_slots
+        h["model_num"], h["max_batch"], h["wait_time"] = model_num, max_batch, wait_time
+        h["supervisor_pid"] = supervisor_pid
+        h["magic"] = MAGIC  # last: attachers check it
+        return ctl
+
+    @classmethod
+    def attach(cls, namespace: str, model: str, readonly: bool = True) -> "ControlBlock":
+        seg = Segment(ctl_path(namespace, model), readonly=readonly)
+        head = seg.ndarray(0, HEADER, (1,))[0]
+        magic, version = int(head["magic"]), int(head["version"])
+        max_slots, model_num = int(head["max_slots"]), int(head["model_num"])
+        del head
+        if magic != MAGIC or version != VERSION or not (
+                0 < max_slots <= 65536 and 0 < model_num <= 4096
+                and seg.size >= cls.size(max_slots, model_num)):
+            seg.close()
+            raise RuntimeError(f"{seg.path} is not a simpledbi v{VERSION} control block")
+        return cls(seg, max_slots, model_num)
+
+    @property
+    def max_slots(self) -> int:
+        return self.claims.shape[0]
+
+    @property
+    def model_num(self) -> int:
+        return self.instances.shape[0]
+
+    @property
+    def state(self) -> int:
+        return int(self.hdr["state"])
+
+    def message(self) -> str:
+        n = min(max(int(self.hdr["msg_len"]), 0), MSG_BYTES)
+        return bytes(self.msg[:n]).decode("utf-8", "replace")
+
+    def set_state(self, state: int, message: str = "", code: int = 0) -> None:
+        if message:
+            data = message.encode("utf-8")[:MSG_BYTES]
+            self.msg[:len(data)] = np.frombuffer(data, np.uint8)
+            self.hdr["msg_len"] = len(data)
+            self.hdr["broken_code"] = code
+        self.hdr["state"] = state
+
+    def close(self) -> None:
+        for k in self.PARTS + ("hdr",):
+            setattr(self, k, None)
+        self.seg.close()
+
+
+# ---------------------------------------------------------------- slot table (<m>.table)
+# slot states (hints written by the slot's client; see NOTE [slot protocol] in slots.py)
+FREE, IDLE, PUBLISHED, NEW = 0, 1, 2, 3
+SLOT = np.dtype([
+    ("state", "<i8"), ("seq", "<i8"), ("rows", "<i8"), ("key", "<i8"), ("token", "<u8"),
+    ("t_publish", "<f8"),
+])
+
+
+class SlotTable:
+    """The client-writable table of hints: one SLOT row per slot index."""
+
+    def __init__(self, seg: Segment, max_slots: int):
+        self.seg = seg
+        self.rows = seg.ndarray(0, SLOT, (max_slots,))
+        # column views, made once: the hot paths index them directly
+        self.state, self.seq, self.nrows = self.rows["state"], self.rows["seq"], self.rows["rows"]
+        self.key, self.token, self.t_publish = self.rows["key"], self.rows["token"], self.rows["t_publish"]
+
+    @staticmethod
+    def size(max_slots: int) -> int:
+        return align(max_slots * SLOT.itemsize, 64)
+
+    @classmethod
+    def create(cls, namespace: str, model: str, max_slots: int) -> "SlotTable":
+        return cls(Segment(table_path(namespace, model), cls.size(max_slots), create=True), max_slots)
+
+    @classmethod
+    def attach(cls, namespace: str, model: str, max_slots: int) -> "SlotTable":
+        seg = Segment(table_path(namespace, model))
+        if seg.size < cls.size(max_slots):
+            seg.close()
+            raise RuntimeError(f"{seg.path} is smaller than its control block says")
+        return cls(seg, max_slots)
+
+    def close(self) -> None:
+        self.rows = self.state = self.seq = self.nrows = self.key = self.token = self.t_publish = None
+        self.seg.close()
+
+
+# ---------------------------------------------------------------- slot segment (<m>.s<i>.<tok>)
+# Written by the client before publishing; read by a model process with one pread into private
+# memory, then validated field by field.
+REQUEST = np.dtype([
+    ("magic", "<u8"), ("slot", "<i8"), ("token", "<u8"), ("seq", "<i8"), ("rows", "<i8"),
+    ("n_in", "<i8"), ("flags", "<i8"), ("out_offset", "<i8"), ("t_publish", "<f8"),
+    ("dtype", "<i8", (MAX_IO,)), ("ndim", "<i8", (MAX_IO,)), ("offset", "<i8", (MAX_IO,)),
+    ("dims", "<i8", (MAX_IO, MAX_NDIM)),
+])
+# Written by the model process with pwrite; RESP_SEQ is written after it, last of all.
+RESPONSE = np.dtype([
+    ("status", "<i8"), ("n_out", "<i8"), ("structure", "<i8"), ("err_len", "<i8"),
+    ("claimer", "<i8"), ("batch_rows", "<i8"), ("needed", "<i8"), ("t_close", "<f8"),
+    ("t_done", "<f8"), ("dtype", "<i8", (MAX_IO,)), ("ndim", "<i8", (MAX_IO,)),
+    ("offset", "<i8", (MAX_IO,)), ("dims", "<i8", (MAX_IO, MAX_NDIM + 1)),
+])
+REQ_OFF, RESP_OFF, RESP_SEQ_OFF = 0, 1024, 2048
+
+
+def _word_index(dtype: np.dtype) -> dict:
+    """Field name -> index of its first 8-byte word (every field of these records is 8 bytes
+    wide), so a record read as ``int64`` words is decoded with plain list indexing."""
+    assert all(dtype.fields[n][0].base.itemsize == 8 for n in dtype.names)
+    return {n: dtype.fields[n][1] // 8 for n in dtype.names}
+
+
+REQ_WORD = _word_index(REQUEST)
+RESP_WORD = _word_index(RESPONSE)
+ERR_OFF, ERR_BYTES = 4096, 8192
+DATA_OFFSET = ERR_OFF + ERR_BYTES
+assert REQUEST.itemsize <= RESP_OFF and RESP_OFF + RESPONSE.itemsize <= RESP_SEQ_OFF
+
+# response status
+ST_OK, ST_MODEL_ERROR, ST_BAD_REQUEST, ST_STOPPED, ST_INTERNAL = 0, 1, 2, 3, 4
+# output structure
+OUT_TENSOR, OUT_TUPLE = 0, 1
+
+
+# ---------------------------------------------------------------- names
+def ctl_path(namespace: str, model: str) -> str:
+    return ns_path(namespace, f"{model}.ctl")
+
+
+def table_path(namespace: str, model: str) -> str:
+    return ns_path(namespace, f"{model}.table")
+
+
+def lock_path(namespace: str, model: str, slot: int) -> str:
+    return ns_path(namespace, f"{model}.s{slot}.lock")
+
+
+def segment_path(namespace: str, model: str, slot: int, token: int) -> str:
+    return ns_path(namespace, f"{model}.s{slot}.{token:016x}")
+
+
+def doorbell_name(namespace: str, model: str) -> str:
+    return f"/{namespace}.{model}.door"
+
+
+def sem_name(namespace: str, model: str, slot: int, token: int, which: str) -> str:
+    return f"/{namespace}.{model}.s{slot}.{token:016x}.{which}"
