@@ -80,8 +80,10 @@ INSTANCE = np.dtype([
     ("reserved", "<i8", (3,)),
 ])
 # Written by the model process that claimed the slot's request: pid and instance first, then
-# token and seq (a client trusts a claim only when token and seq are its own).
-CLAIM = np.dtype([("token", "<u8"), ("seq", "<i8"), ("instance", "<i8"), ("pid", "<i8")])
+# token and seq (a client trusts a claim only when token and seq are its own); ``done`` = seq
+# once answered (until its client reads the answer, it counts as a client that may send again).
+CLAIM = np.dtype([("token", "<u8"), ("seq", "<i8"), ("instance", "<i8"), ("pid", "<i8"),
+                  ("done", "<i8"), ("reserved", "<i8", (3,))])
 COUNTERS = np.dtype([
     ("requests", "<i8"), ("batches", "<i8"), ("rows", "<i8"), ("errors", "<i8"),
     ("ring_head", "<i8"), ("isolated", "<i8"), ("bad_requests", "<i8"), ("reserved", "<i8"),

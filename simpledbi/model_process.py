@@ -36,7 +36,7 @@ from .layout import (
     doorbell_name, dtype_code,
 )
 from .shm import open_semaphore
-from .slots import BadRequest, Limits, Peer, Request, claim_words, write_claim
+from .slots import BadRequest, Limits, Peer, Request, claim_words, mark_answered, write_claim
 
 logger = logging.getLogger(__name__)
 _FIELD = {name: i for i, name in enumerate(B_FIELDS)}
@@ -116,6 +116,7 @@ class ModelServer:
         self._open: Dict[int, Request] = {}    # id -> every request claimed and not answered yet
         self._failed: Dict[int, int] = {}      # slot -> seq hint whose claim failed: don't retry it
         self.claim_seq, self.claim_token = self.ctl.claims["seq"], self.ctl.claims["token"]
+        self.claim_done = self.ctl.claims["done"]
         self.claim_words = claim_words(self.ctl)
         self.counters = self.ctl.counters[self.me]
         self.fatal = False
@@ -370,7 +371,7 @@ class ModelServer:
         while True:
             if state["rows"] >= self.max_batch:
                 break
-            more = batching.more_can_arrive(t.state, (IDLE,))
+            more = self._may_send()
             if more:  # ... unless a request of our shape is already waiting: it did not fit
                 pend = self._pending()
                 more = not (pend.size and bool(np.any(t.key[pend] == state["key"])))
@@ -389,6 +390,15 @@ class ModelServer:
         if self.ctl.model_num > 1 and self._pending().size:
             self.door.release()  # leftovers (other shapes, no room): wake a peer process
         return batch
+
+    def _may_send(self) -> bool:
+        """Could some attached client send a request now? Those with none in flight (IDLE), and
+        those whose answer is written but not read yet (they are about to send again)."""
+        t = self.table
+        if batching.more_can_arrive(t.state, (IDLE,)):
+            return True
+        pub = t.state == PUBLISHED
+        return bool(np.any(pub & (self.claim_done == t.seq) & (self.claim_token == t.token)))
 
     # ------------------------------------------------------------ one batch
     def _gather(self, batch: List[Request]):
@@ -510,6 +520,7 @@ class ModelServer:
         self._open.pop(id(r), None)
         try:
             r.peer.respond(r.seq, status, text, outs, r.out_offset, structure, self.me, t_close, total)
+            mark_answered(self.claim_words, r.slot, r.seq)
         except Exception:  # noqa: BLE001 - a closed peer: its client is gone
             logger.debug("%s answering slot %d failed", self.tag, r.slot, exc_info=True)
 

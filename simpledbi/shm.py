@@ -124,17 +124,21 @@ class Segment:
             return
         check_free_space(size - self.size, f"segment {os.path.basename(self.path)}")
         _reserve(self.fd, size, self.path)
-        self._mmap.close()
-        self._mmap = mmap.mmap(self.fd, size)
-        self.size = size
+        self._replace_mapping(size)
 
     def remap(self) -> None:
         """Map the file at its current size (after another process extended it)."""
         size = os.fstat(self.fd).st_size
         if size != self.size:
+            self._replace_mapping(size)
+
+    def _replace_mapping(self, size: int) -> None:
+        try:
             self._mmap.close()
-            self._mmap = mmap.mmap(self.fd, size)
-            self.size = size
+        except BufferError:
+            pass  # someone still holds a view of the old mapping: it lives until they drop it
+        self._mmap = mmap.mmap(self.fd, size)
+        self.size = size
 
     def close(self) -> None:
         if self._mmap is not None:

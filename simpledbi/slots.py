@@ -602,6 +602,11 @@ def write_claim(words: np.ndarray, slot: int, token: int, seq: int, instance: in
     row[_CL_SEQ] = seq  # last
 
 
+def mark_answered(words: np.ndarray, slot: int, seq: int) -> None:
+    """After answering: the slot's client may send again as soon as it has read the answer."""
+    words[slot, _CL_DONE] = seq
+
+
 def claim_words(ctl: ControlBlock) -> np.ndarray:
     """The claims table as int64 words, one row per slot (fast to write field by field)."""
     return ctl.claims.view(np.int64).reshape(ctl.max_slots, CLAIM.itemsize // 8)
@@ -616,6 +621,7 @@ _RESP_UNPACK = _I64S.unpack_from
 _unpack_words = struct.Struct(f"<{_RQ_WORDS}q").unpack
 (_RQ_MAGIC, _RQ_SLOT, _RQ_TOKEN, _RQ_SEQ, _RQ_ROWS, _RQ_NIN, _RQ_FLAGS, _RQ_OUT, _RQ_T, _RQ_DTYPE,
  _RQ_NDIM, _RQ_OFFSET, _RQ_DIMS) = (REQ_WORD[n] for n in REQUEST.names)
-_CL_TOKEN, _CL_SEQ, _CL_INST, _CL_PID = (CLAIM.fields[n][1] // 8 for n in ("token", "seq", "instance", "pid"))
+_CL_TOKEN, _CL_SEQ, _CL_INST, _CL_PID, _CL_DONE = (CLAIM.fields[n][1] // 8 for n in
+                                                   ("token", "seq", "instance", "pid", "done"))
 (_RS_STATUS, _RS_NOUT, _RS_STRUCT, _RS_ERRLEN, _RS_CLAIMER, _RS_ROWS, _RS_NEEDED, _RS_TCLOSE,
  _RS_TDONE, _RS_DTYPE, _RS_NDIM, _RS_OFFSET, _RS_DIMS) = (RESP_WORD[n] for n in RESPONSE.names)

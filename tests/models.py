@@ -154,3 +154,30 @@ class Expand(nn.Module):
 
 def expand():
     return Expand()
+
+
+COMPLEX = -21.0       # ... makes forward return complex128
+TOO_MANY_DIMS = -22.0  # ... makes forward return 11 dimensions
+BAD_STR = -23.0       # ... makes forward raise an exception whose __str__ raises
+
+
+class _Unprintable(Exception):
+    def __str__(self):
+        raise RuntimeError("no message for you")
+
+
+class Weird(nn.Module):
+    """Outputs the runtime cannot describe, on markers; 2x + 1 otherwise."""
+
+    def forward(self, x):
+        if bool((x == COMPLEX).any()):
+            return x.to(torch.complex128)
+        if bool((x == TOO_MANY_DIMS).any()):
+            return x.reshape(x.shape[0], *([1] * 9), -1)
+        if bool((x == BAD_STR).any()):
+            raise _Unprintable()
+        return x * 2 + 1
+
+
+def weird():
+    return Weird()

@@ -1,0 +1,355 @@
+"""No client can hurt the runtime: the nine behaviours of issue 7 and a fuzz test.
+
+Each test ends by checking that an honest client is still served correctly, that no model process
+was restarted (except where a test kills one on purpose), and -- with a huge ``wait_time`` -- that
+a lone client's call is not held back by slots that nobody uses any more.
+"""
+import functools
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import posix_ipc
+import pytest
+
+from simpledbi import ModelError, ModelProcessDied, RuntimeStopped, SharedModel
+from simpledbi.layout import FREE, PUBLISHED, REQUEST, STOPPING, BROKEN
+from simpledbi import shm
+
+from . import models
+from .conftest import cpu_model
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HUGE_WAIT = 30.0  # a batch that waited for a client that cannot send would blow every timeout
+
+
+def _pids(rt, name):
+    return [int(p) for p in rt.ctls[name].instances["pid"]]
+
+
+def _attached(rt, name):
+    return int(np.count_nonzero(rt.tables[name].state != FREE))
+
+
+def _honest(rt, name, value=3.0, rows=1, width=2, timeout=10.0):
+    """A fresh client alone on the model gets exactly its answer, fast."""
+    with SharedModel(name, max_shape=(rows, width), namespace=rt.namespace) as m:
+        x = np.full((rows, width), value, np.float32)
+        np.testing.assert_array_equal(m.forward(x, timeout=timeout), x * 2 + 1)
+
+
+def _wait_for(cond, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached"
+        threading.Event().wait(0.01)  # bounded wait on a shared-memory condition
+
+
+def _client_code(rt, body):
+    return ("import os, signal, numpy as np, posix_ipc; from simpledbi import SharedModel; "
+            f"m = SharedModel('gated', max_shape=(1, 2), namespace={rt.namespace!r}); " + body)
+
+
+# 1 ------------------------------------------------------------------------------------------
+def test_timeout_then_close_on_a_first_request_does_not_kill_the_model(start_runtime, gate):
+    rt = start_runtime(cpu_model("gated", functools.partial(models.gated, gate.name),
+                                 max_batch_size=1, wait_time=HUGE_WAIT))
+    pids = _pids(rt, "gated")
+    b = SharedModel("gated", max_shape=(1, 2), namespace=rt.namespace)
+    np.testing.assert_array_equal(b.forward(np.ones((1, 2), np.float32)), np.full((1, 2), 3.0))
+    a = SharedModel("gated", max_shape=(1, 2), namespace=rt.namespace)
+    with pytest.raises(TimeoutError, match="being computed"):
+        a.forward(np.full((1, 2), models.GATE, np.float32), timeout=0.3)
+    a.close()                 # its segment and semaphores are unlinked while the model holds them
+    gate.open()               # the model now answers a client that is gone
+    np.testing.assert_array_equal(b.forward(np.ones((1, 2), np.float32), timeout=10), np.full((1, 2), 3.0))
+    b.close()
+    _honest(rt, "gated", timeout=5)
+    assert _pids(rt, "gated") == pids and rt.ctls["gated"].instances["restarts"].sum() == 0
+
+
+def test_client_killed_during_its_first_request_does_not_kill_the_model(start_runtime, gate):
+    rt = start_runtime(cpu_model("gated", functools.partial(models.gated, gate.name),
+                                 max_batch_size=1, wait_time=HUGE_WAIT))
+    pids = _pids(rt, "gated")
+    proc = subprocess.Popen([sys.executable, "-c", _client_code(
+        rt, f"m.forward(np.full((1, 2), {models.GATE}, np.float32))")], cwd=ROOT)
+    try:
+        gate.wait_entered()
+        proc.kill()
+        proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    gate.open()
+    _wait_for(lambda: _attached(rt, "gated") == 0)  # reaped
+    _honest(rt, "gated", timeout=5)
+    assert _pids(rt, "gated") == pids
+
+
+# 2 ------------------------------------------------------------------------------------------
+def test_a_late_answer_never_overwrites_a_newer_request_nor_holds_batches(start_runtime, gate):
+    rt = start_runtime(cpu_model("gated", functools.partial(models.gated, gate.name),
+                                 max_batch_size=1, wait_time=HUGE_WAIT))
+    with SharedModel("gated", max_shape=(1, 2), namespace=rt.namespace) as m:
+        with pytest.raises(TimeoutError, match="being computed"):
+            m.forward(np.full((1, 2), models.GATE, np.float32), timeout=0.2)
+        # The stale slot is not lent again before its late answer: this call takes another one,
+        # queues behind the gated request and is answered after it.
+        result = {}
+        t = threading.Thread(target=lambda: result.setdefault("y", m.forward(np.full((1, 2), 4.0, np.float32), timeout=30)))
+        t.start()
+        _wait_for(lambda: int(np.count_nonzero(rt.tables["gated"].state == PUBLISHED)) >= 2)
+        gate.open()
+        t.join(30)
+        np.testing.assert_array_equal(result["y"], np.full((1, 2), 9.0, np.float32))
+        for v in (5.0, 6.0, 7.0):  # the stale slot is reused once settled; answers stay exact
+            x = np.full((1, 2), v, np.float32)
+            np.testing.assert_array_equal(m.forward(x, timeout=5), x * 2 + 1)
+    _honest(rt, "gated", timeout=5)  # nothing left IDLE or PUBLISHED holds a batch back
+
+
+@pytest.mark.timeout(180)
+def test_random_timeouts_never_hang_a_caller(start_runtime):
+    rt = start_runtime(cpu_model("slow", models.slow, max_batch_size=4, model_num=2, wait_time=0.002))
+    model = SharedModel("slow", max_shape=(1, 256), namespace=rt.namespace)
+    errors, done = [], []
+
+    def run(seed):
+        rng = np.random.default_rng(seed)
+        try:
+            for _ in range(150):
+                x = rng.standard_normal((1, 256)).astype(np.float32)
+                timeout = [None, 5.0, float(rng.uniform(0.0, 0.003))][int(rng.integers(0, 3))]
+                try:
+                    y = model.forward(x, timeout=timeout)
+                except TimeoutError:
+                    continue
+                np.testing.assert_allclose(y, x * 2 + 1, rtol=1e-6)
+            done.append(seed)
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(150)
+    assert not any(t.is_alive() for t in threads), "a caller hangs"
+    assert errors == [] and sorted(done) == list(range(8))
+    model.close()
+    _honest(rt, "slow", width=256)
+
+
+# 3 ------------------------------------------------------------------------------------------
+def test_close_from_another_thread_ends_the_call_with_runtime_stopped(start_runtime, gate):
+    rt = start_runtime(cpu_model("gated", functools.partial(models.gated, gate.name),
+                                 max_batch_size=1, wait_time=HUGE_WAIT))
+    m = SharedModel("gated", max_shape=(1, 2), namespace=rt.namespace)
+    outcome = {}
+
+    def call():
+        try:
+            outcome["y"] = m.forward(np.full((1, 2), models.GATE, np.float32))
+        except BaseException as e:  # noqa: BLE001
+            outcome["e"] = e
+
+    t = threading.Thread(target=call)
+    t.start()
+    gate.wait_entered()
+    m.close()
+    t.join(10)
+    assert not t.is_alive() and isinstance(outcome.get("e"), RuntimeStopped), outcome
+    assert _attached(rt, "gated") == 0  # the slot went back when the call ended
+    with pytest.raises(RuntimeStopped):
+        m.forward(np.ones((1, 2), np.float32))
+    gate.open()
+    _honest(rt, "gated", timeout=5)
+
+
+# 4 ------------------------------------------------------------------------------------------
+def test_threads_that_come_and_go_do_not_keep_slots(start_runtime):
+    rt = start_runtime(cpu_model("affine", models.affine, max_batch_size=4, max_clients=8))
+    with SharedModel("affine", max_shape=(1, 2), namespace=rt.namespace) as m:
+        for wave in range(15):  # 60 threads in all, 4 at a time, each used once and gone
+            threads = [threading.Thread(target=lambda v=float(wave * 4 + i): np.testing.assert_array_equal(
+                m.forward(np.full((1, 2), v, np.float32), timeout=30), np.full((1, 2), 2 * v + 1)))
+                for i in range(4)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(30)
+        assert _attached(rt, "affine") <= 4  # one slot per call in flight, not per thread ever
+    assert _attached(rt, "affine") == 0
+
+
+# 5 ------------------------------------------------------------------------------------------
+def _idle_slot(m):
+    assert m._h.idle, "expected an idle slot"
+    return m._h.idle[0]
+
+
+def _req_words(slot):
+    return np.frombuffer(slot.seg.buf, np.int64, count=REQUEST.itemsize // 8)
+
+
+_EVIL = [0, 1, -1, 7, 2**31, 2**31 - 1, 2**40, 2**62, 2**63 - 1, -2**63, 10**6, 1000,
+         int(np.float64(np.nan).view(np.int64)), int(np.float64(np.inf).view(np.int64))]
+
+
+def test_control_block_is_read_only_for_clients(start_runtime):
+    rt = start_runtime(cpu_model("affine", models.affine))
+    with SharedModel("affine", max_shape=(1, 2), namespace=rt.namespace) as m:
+        with pytest.raises(ValueError, match="read-only"):
+            m.ctl.hdr["state"] = STOPPING
+        with pytest.raises(ValueError, match="read-only"):
+            m.ctl.claims["seq"][0] = 5
+        np.testing.assert_array_equal(m.forward(np.ones((1, 2), np.float32)), np.full((1, 2), 3.0))
+
+
+@pytest.mark.timeout(300)
+def test_fuzz_a_client_scribbling_on_its_slot_and_the_table(start_runtime):
+    """Thousands of random 1-2 field mutations of a hostile client's own request header and of any
+    row of the slot table (the part of the runtime's shared state clients can write): the model
+    process survives every one, the hostile client gets an answer or a typed error, and an honest
+    client keeps getting exact answers."""
+    rt = start_runtime(cpu_model("affine", models.affine, max_batch_size=4, model_num=2, wait_time=0.001))
+    pids = _pids(rt, "affine")
+    honest = SharedModel("affine", max_shape=(2, 3), namespace=rt.namespace, poll_interval=0.05)
+    rng = np.random.default_rng(7)
+    table_words = np.frombuffer(rt.tables["affine"].seg.buf, np.int64)
+    outcomes = {}
+    hostile = SharedModel("affine", max_shape=(2, 3), namespace=rt.namespace, poll_interval=0.05)
+    n = 0
+    for i in range(2000):
+        x = rng.standard_normal((int(rng.integers(1, 3)), 3)).astype(np.float32)
+        hostile.forward(np.ones((1, 3), np.float32), timeout=5)  # a clean slot to scribble on
+        slot = _idle_slot(hostile)
+        words = _req_words(slot)
+        for _ in range(int(rng.integers(1, 3))):
+            value = _EVIL[int(rng.integers(0, len(_EVIL)))] if rng.random() < 0.7 else int(rng.integers(-2**62, 2**62))
+            if rng.random() < 0.6:
+                words[int(rng.integers(0, len(words)))] = value
+            else:
+                table_words[int(rng.integers(0, min(len(table_words), 4 * 6)))] = value
+        slot._shapes = [(-1,)] * len(slot._shapes)  # keep our corrupt dims only if shapes repeat
+        if rng.random() < 0.5:
+            slot._shapes = [x.shape]  # the client will not rewrite the (maybe corrupted) dims
+        del words, slot
+        try:
+            y = hostile.forward(x, timeout=0.3)
+            kind = "ok" if np.array_equal(y, x * 2 + 1) else "wrong-own"
+        except (ValueError, TimeoutError, ModelProcessDied, RuntimeStopped, ModelError) as e:
+            kind = type(e).__name__
+        outcomes[kind] = outcomes.get(kind, 0) + 1
+        if kind != "ok":  # start afresh: the slot may be stale or wrecked
+            hostile.close()
+            hostile = SharedModel("affine", max_shape=(2, 3), namespace=rt.namespace, poll_interval=0.05)
+        if i % 20 == 0:
+            h = rng.standard_normal((2, 3)).astype(np.float32)
+            np.testing.assert_array_equal(honest.forward(h, timeout=10), h * 2 + 1)
+            n += 1
+    hostile.close()
+    honest.close()
+    assert _pids(rt, "affine") == pids, "a model process died"
+    assert rt.ctls["affine"].state not in (STOPPING, BROKEN)
+    assert outcomes.get("ValueError", 0) > 100, outcomes  # the model rejected bad headers
+    _honest(rt, "affine", width=3, timeout=5)
+
+
+def test_truncated_segment_is_a_bad_request_not_a_crash(start_runtime, gate):
+    """A client truncates its own segment (before publishing, and while its request waits): the
+    model process reads it with pread, sees a short read, and answers with an error."""
+    rt = start_runtime(cpu_model("gated", functools.partial(models.gated, gate.name),
+                                 max_batch_size=2, wait_time=0.001))
+    pids = _pids(rt, "gated")
+    body = ("x = np.ones((1, 2), np.float32); m.forward(x); s = m._h.idle[0]; "
+            "os.ftruncate(s.seg.fd, {size}); s.seq += 1; "
+            "w = np.frombuffer(s.seg.buf, np.int64, count=8) if {size} >= 64 else None; "
+            "s.ready.release(); t = s.table; t.seq[s.index] = s.seq; t.state[s.index] = 2; "
+            "m._h.doorbell.release(); print('PUBLISHED', flush=True); os._exit(0)")
+    for size in (0, 100, 4096, 16384 + 4):
+        out = subprocess.run([sys.executable, "-c", _client_code(rt, body.format(size=size))], cwd=ROOT,
+                             capture_output=True, text=True, timeout=60)
+        assert "PUBLISHED" in out.stdout, out.stderr
+        _honest(rt, "gated", timeout=10)
+    assert _pids(rt, "gated") == pids
+    assert rt.ctls["gated"].counters["bad_requests"].sum() >= 3
+
+
+# 6 ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("marker,words", [(models.COMPLEX, "complex128"),
+                                          (models.TOO_MANY_DIMS, "11 dimensions"),
+                                          (models.BAD_STR, "_Unprintable")])
+def test_outputs_the_runtime_cannot_describe_give_model_error(start_runtime, marker, words):
+    rt = start_runtime(cpu_model("weird", models.weird, max_batch_size=2))
+    pids = _pids(rt, "weird")
+    with SharedModel("weird", max_shape=(1, 2), namespace=rt.namespace) as m:
+        with pytest.raises(ModelError, match=words):
+            m.forward(np.full((1, 2), marker, np.float32), timeout=30)
+    _honest(rt, "weird")
+    assert _pids(rt, "weird") == pids
+
+
+# 8 ------------------------------------------------------------------------------------------
+def test_dead_model_process_is_restarted_and_its_callers_told_at_once(start_runtime, gate):
+    rt = start_runtime(cpu_model("gated", functools.partial(models.gated, gate.name), max_batch_size=1,
+                                 model_num=2, wait_time=0.001, restart_backoff=0.01))
+    m = SharedModel("gated", max_shape=(1, 2), namespace=rt.namespace)
+    outcome = {}
+
+    def call():
+        try:
+            outcome["y"] = m.forward(np.full((1, 2), models.GATE, np.float32))
+        except BaseException as e:  # noqa: BLE001
+            outcome["e"] = e
+
+    t = threading.Thread(target=call)
+    t.start()
+    gate.wait_entered()
+    claimer = int(rt.ctls["gated"].claims["pid"][rt.ctls["gated"].claims["seq"] > 0][0])
+    os.kill(claimer, signal.SIGKILL)
+    t.join(5)  # told at once (its don is posted by the supervisor), not after a timeout
+    assert not t.is_alive() and isinstance(outcome.get("e"), ModelProcessDied), outcome
+    assert str(claimer) in str(outcome["e"])
+    x = np.full((1, 2), 2.0, np.float32)
+    np.testing.assert_array_equal(m.forward(x, timeout=30), x * 2 + 1)  # the survivor serves
+    _wait_for(lambda: rt.ctls["gated"].instances["restarts"].sum() == 1 and claimer not in _pids(rt, "gated")
+              and all(shm.pid_alive(p) for p in _pids(rt, "gated")))
+    m.close()
+    for v in range(4):
+        _honest(rt, "gated", value=float(v))
+
+
+def test_model_that_dies_too_often_is_marked_broken(start_runtime):
+    rt = start_runtime(cpu_model("affine", models.affine, max_restarts=0))
+    m = SharedModel("affine", max_shape=(1, 2), namespace=rt.namespace, poll_interval=0.05)
+    os.kill(_pids(rt, "affine")[0], signal.SIGKILL)
+    _wait_for(lambda: rt.ctls["affine"].state == BROKEN)
+    with pytest.raises(ModelProcessDied, match="marked broken"):
+        m.forward(np.ones((1, 2), np.float32), timeout=10)
+    m.close()
+
+
+# 9 ------------------------------------------------------------------------------------------
+def test_slot_objects_carry_unguessable_names(start_runtime):
+    rt = start_runtime(cpu_model("affine", models.affine))
+    with SharedModel("affine", max_shape=(1, 2), namespace=rt.namespace):
+        sems = [e for e in os.listdir("/dev/shm") if e.startswith(f"sem.{rt.namespace}.affine.s")]
+        assert len(sems) == 2 and all(len(e.split(".")[-2]) == 16 for e in sems)  # 64-bit tokens
+        files = os.listdir(os.path.join("/dev/shm", rt.namespace))  # inside the 0700 directory
+        assert any(f.startswith("affine.s0.") and not f.endswith(".lock") for f in files)
+
+
+def test_a_taken_namespace_name_is_never_reused(monkeypatch):
+    monkeypatch.setattr(shm.secrets, "token_hex", lambda n: "ab" * n)
+    ns = shm.new_namespace()
+    try:
+        with pytest.raises(OSError, match="fresh namespace"):
+            shm.new_namespace()
+    finally:
+        shm.sweep_namespace(ns)
