@@ -56,10 +56,11 @@ class ModelConfig:
     model_num: int = 1
     wait_time: float = 0.003
     device: Union[str, Sequence[str]] = "auto"
-    #: Item shapes (without the batch dimension) used to warm the model up at load time and to
-    #: learn its output shapes before the first request. One tuple per input.
+    #: Item shapes (without the batch dimension) used to warm the model up at load time (and to
+    #: capture CUDA graphs). One tuple per input; requests with another input count are rejected.
     input_shapes: Optional[Sequence[Sequence[int]]] = None
-    #: numpy dtype names of the inputs for the warm-up; float32 when omitted.
+    #: numpy dtype names of the inputs for the warm-up; float32 when omitted. When given, requests
+    #: of other dtypes are rejected with "expected <dtype>".
     input_dtypes: Optional[Sequence[str]] = None
     #: Cast parameters and floating inputs to this precision on the device.
     precision: str = "float32"
