@@ -332,6 +332,7 @@ class _Handles:
         self.idle: List[ClientSlot] = []
         self.stale: List[ClientSlot] = []
         self.busy: set = set()
+        self.creating = 0          # slots being attached right now (outside the lock)
         self.closed = False
 
     @classmethod
@@ -375,13 +376,26 @@ class _Handles:
                     slot.mark_idle()
                     self.busy.add(slot)
                     return slot
-        slot = ClientSlot(self.namespace, self.name, self.ctl, self.table, self.doorbell,
-                          client.max_shapes, client.dtypes)
+            self.creating += 1  # the shared handles stay open until this attach is done
+        try:
+            slot = ClientSlot(self.namespace, self.name, self.ctl, self.table, self.doorbell,
+                              client.max_shapes, client.dtypes)
+        except BaseException:
+            with self.lock:
+                self.creating -= 1
+                last = self.closed and not self.busy and not self.creating
+            if last:
+                self._close_shared()
+            raise
         with self.lock:
+            self.creating -= 1
             if not self.closed:
                 self.busy.add(slot)
                 return slot
+            last = not self.busy and not self.creating
         slot.detach()
+        if last:
+            self._close_shared()
         raise RuntimeStopped(f"SharedModel({self.name!r}) is closed")
 
     def give_back(self, slot: ClientSlot) -> None:
@@ -390,7 +404,7 @@ class _Handles:
             if not self.closed:
                 (self.stale if slot.stale_seq else self.idle).append(slot)
                 return
-            last = not self.busy
+            last = not self.busy and not self.creating
         slot.detach()
         if last:
             self._close_shared()
@@ -399,7 +413,7 @@ class _Handles:
         """In a forked child: the parent's slots are the parent's (its locks are not ours)."""
         self.pid = os.getpid()
         self.lock = threading.Lock()
-        self.idle, self.stale, self.busy = [], [], set()
+        self.idle, self.stale, self.busy, self.creating = [], [], set(), 0
 
     def release(self) -> None:
         """Detach idle slots now, busy ones when their call ends (woken with RuntimeStopped)."""
@@ -408,15 +422,15 @@ class _Handles:
                 return
             self.closed = True
             idle, self.idle, self.stale = self.idle + self.stale, [], []
-            busy = list(self.busy)
+            for slot in self.busy:  # woken under the lock: a slot given back meanwhile is not
+                slot.interrupted = True
+                slot.wake()
+            last = not self.busy and not self.creating
         if os.getpid() != self.pid:
             return
-        for slot in busy:
-            slot.interrupted = True
-            slot.wake()
         for slot in idle:
             slot.detach()
-        if not busy:
+        if last:
             self._close_shared()
 
     def _close_shared(self) -> None:

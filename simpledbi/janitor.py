@@ -32,6 +32,8 @@ def janitor_main(namespace: str, conn, grace: float) -> None:
             workers.add(msg[1])
         elif kind == "model":
             models.add(msg[1])
+        elif kind == "gone":  # a model process that died and was replaced
+            models.discard(msg[1])
         elif kind == "done":
             break
     if orphaned:

@@ -55,6 +55,7 @@ class _ModelProc:
     def __init__(self, cfg: ModelConfig, instance: int, proc, conn):
         self.cfg, self.instance, self.proc, self.conn = cfg, instance, proc, conn
         self.loading = True
+        self.exit_handled = False
 
     def describe(self) -> str:
         code = self.proc.exitcode
@@ -226,11 +227,15 @@ class Runtime:
                         self._restart(*key)
                 timeout = max(0.0, min([next_reap] + list(self._restart_at.values())) - time.monotonic())
                 watch = {self._wake_r: None}
-                for m in self.instances.values():
-                    if m.proc.exitcode is None or m.proc.is_alive():
-                        watch[m.proc.sentinel] = m
-                    if m.loading:
-                        watch[m.conn] = m
+                for m in list(self.instances.values()):
+                    if m.exit_handled:
+                        continue
+                    if m.proc.exitcode is not None:  # died (and was reaped) since the last look
+                        self._on_model_exit(m)
+                        continue
+                    watch[m.proc.sentinel] = m       # until its death is handled, not while alive:
+                    if m.loading:                    # is_alive() reaps, and a reaped death must
+                        watch[m.conn] = m            # still be handled
                 for obj in wait(list(watch), timeout=timeout):
                     if obj == self._wake_r:
                         os.read(self._wake_r, 64)
@@ -246,13 +251,16 @@ class Runtime:
                         elif msg is not None:
                             logger.error("model %r process %d failed to load again: %s", m.cfg.name,
                                          m.instance, msg[1])
-                    elif m.proc.exitcode is not None or not m.proc.is_alive():
+                    elif not m.proc.is_alive():
                         self._on_model_exit(m)
             except Exception:  # noqa: BLE001 - the supervisor must outlive any one failure
                 logger.exception("simpledbi supervisor: unexpected error")
                 self._stop.wait(self.options.poll_interval)
 
     def _on_model_exit(self, m: _ModelProc) -> None:
+        if m.exit_handled:
+            return
+        m.exit_handled = True
         m.proc.join(1)
         name, ctl = m.cfg.name, self.ctls[m.cfg.name]
         if ctl.state >= STOPPING and ctl.state != BROKEN:
@@ -264,6 +272,7 @@ class Runtime:
             except OSError:
                 pass
         self._wake_claimed_by(name, m.proc.pid)
+        self._tell_janitor("gone", m.proc.pid)  # never signal a pid the system may reuse
         if ctl.state == BROKEN:
             return
         now = time.monotonic()
@@ -464,6 +473,9 @@ class Runtime:
         for m in self.model_procs:
             if not m.conn.closed:
                 m.conn.close()
+            m.proc.close()
+        for proc in self.worker_procs.values():
+            proc.close()
 
 
     def __enter__(self) -> "Runtime":

@@ -10,7 +10,7 @@ created by one client (a ``SharedModel`` lends its slots to calls, one call per 
     ------                                          --------------------------------
     attach:  lock s<i>.lock        (an open-file-description lock: index i is mine until I close
                                     it or die -- the kernel releases it either way)
-             create segment + rdy/don with a fresh 64-bit token; row i = NEW
+             row i = (fresh 64-bit token, NEW); create segment + rdy/don under that token
     publish: inputs + REQUEST header
              rdy.post()            (the claim token exists before any hint points at it)
              row i: rows, key, seq, t_publish, state = PUBLISHED (last)
@@ -28,7 +28,7 @@ created by one client (a ``SharedModel`` lends its slots to calls, one call per 
     withdraw (timeout before a claim): rdy.trywait() succeeds -> row i = IDLE. If it fails, a
              model process owns the request: the slot is *stale* and is lent again only after
              the late response (RESP_SEQ == seq) has arrived and been dropped.
-    detach:  withdraw; row i = FREE; unlink segment and semaphores; unlock (last).
+    detach:  withdraw; unlink segment and semaphores; row i = FREE; unlock (last).
     reap:    (runtime) locking s<i>.lock succeeds on a non-FREE row -> its owner died: unlink its
              objects, row i = FREE, unlock.
 
@@ -58,6 +58,7 @@ import math
 import os
 import secrets
 import struct
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence, Tuple
@@ -99,6 +100,7 @@ class ClientSlot:
         self.stale_seq = 0          # a timed-out request a model process still owes an answer to
         self.woken = 0.0
         self.interrupted = False    # close() from another thread while a call waits here
+        self._sem_lock = threading.Lock()  # wake() from another thread vs. detach() closing ``done``
         self.lost_at = 0.0          # since when the request is taken but no claim is visible
         try:
             self._create(max_shapes, dtypes)
@@ -108,9 +110,14 @@ class ClientSlot:
 
     def _create(self, max_shapes, dtypes) -> None:
         ns, model, i = self.namespace, self.model, self.index
-        if self.table.state[i] != FREE:     # the last owner died and was not reaped yet
-            _unlink_slot_objects(ns, model, i, int(self.table.token[i]))
+        t = self.table
+        if t.state[i] != FREE:     # the last owner died and was not reaped yet
+            _unlink_slot_objects(ns, model, i, int(t.token[i]))
         self.token = secrets.randbits(64) | 1
+        # The row names the token before any object exists: whenever this process dies, the
+        # reaper finds (by the lock) and removes everything it created.
+        t.token[i], t.seq[i] = self.token, 0
+        t.state[i] = NEW
         self.ready = create_semaphore(sem_name(ns, model, i, self.token, "rdy"))
         self.done = create_semaphore(sem_name(ns, model, i, self.token, "don"))
         offsets, size = [], DATA_OFFSET
@@ -129,9 +136,6 @@ class ClientSlot:
         self._codes = [dtype_code(dt) for dt in dtypes]
         self._shapes: List[Optional[tuple]] = [None] * len(max_shapes)   # last shape written per input
         self._keys = {}
-        t = self.table
-        t.token[i], t.seq[i] = self.token, 0
-        t.state[i] = NEW  # last
 
     def _map_views(self) -> None:
         seg = self.seg
@@ -211,8 +215,11 @@ class ClientSlot:
         return claim is not None and not pid_alive(claim[1])
 
     def wake(self) -> None:
-        """Wake a thread sleeping in :meth:`wait` (close() from another thread)."""
-        self.done.release()
+        """Wake a thread sleeping in :meth:`wait` (close() from another thread). A no-op once
+        the slot is detached: its call has ended already."""
+        with self._sem_lock:
+            if self.done is not None:
+                self.done.release()
 
     def withdraw(self) -> bool:
         """Take back a request no model process has claimed; False if one owns it."""
@@ -299,22 +306,25 @@ class ClientSlot:
                     self.ready.acquire(0)  # withdraw a request nobody took
                 except posix_ipc.BusyError:
                     pass
-            if self.token and self.table.state is not None and self.table.token[i] == self.token:
-                self.table.state[i] = FREE
         finally:
             self._drop_views()
             if self.seg is not None:
                 self.seg.close()
                 self.seg.unlink()
                 self.seg = None
-            for which in ("ready", "done"):
-                sem = getattr(self, which)
-                if sem is not None:
-                    sem.close()
-                    setattr(self, which, None)
+            with self._sem_lock:
+                for which in ("ready", "done"):
+                    sem = getattr(self, which)
+                    if sem is not None:
+                        sem.close()
+                        setattr(self, which, None)
             if self.token:
                 unlink_sem(sem_name(ns, model, i, self.token, "rdy"))
                 unlink_sem(sem_name(ns, model, i, self.token, "don"))
+            # Only now is the row freed (all objects are gone), then the index: a process killed
+            # anywhere in here leaves a non-FREE row with a free lock, which the reaper finishes.
+            if self.token and self.table.state is not None and self.table.token[i] == self.token:
+                self.table.state[i] = FREE
             if self.lock_fd is not None:
                 _lock_fds.discard(self.lock_fd)
                 os.close(self.lock_fd)  # last: releases the index

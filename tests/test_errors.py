@@ -129,7 +129,8 @@ def test_a_poisoned_batch_fails_only_the_culprit_when_isolating(start_runtime, g
         t.start()
     state = model._h.table.state
     deadline = time.monotonic() + 30
-    while np.count_nonzero(state == PUBLISHED) < 4 and time.monotonic() < deadline:
+    # five rows PUBLISHED: the gated blocker's (claimed, its answer not read yet) and the four
+    while np.count_nonzero(state == PUBLISHED) < 5 and time.monotonic() < deadline:
         threading.Event().wait(0.005)  # a bounded wait on a shared-memory condition
     batches = model.stats()["batches"]
     gate.open()
@@ -137,6 +138,9 @@ def test_a_poisoned_batch_fails_only_the_culprit_when_isolating(start_runtime, g
         t.join(60)
     # The four queued requests fill one batch (max_batch_size=4), poisoned by request 0.
     assert len(outcomes) == 5 and not isinstance(outcomes.pop("blocker"), Exception)
+    deadline = time.monotonic() + 30  # counters are written just after the callers are answered
+    while model.stats()["batches"] < batches + 2 and time.monotonic() < deadline:
+        threading.Event().wait(0.01)
     assert model.stats()["batches"] == batches + 2  # the gated batch, then the poisoned one
     assert isinstance(outcomes[0], ModelError) and "poisoned input" in str(outcomes[0])
     if isolate:  # bisection finds the culprit: the three innocent callers get their answers

@@ -319,7 +319,7 @@ def test_dead_model_process_is_restarted_and_its_callers_told_at_once(start_runt
     x = np.full((1, 2), 2.0, np.float32)
     np.testing.assert_array_equal(m.forward(x, timeout=30), x * 2 + 1)  # the survivor serves
     _wait_for(lambda: rt.ctls["gated"].instances["restarts"].sum() == 1 and claimer not in _pids(rt, "gated")
-              and all(shm.pid_alive(p) for p in _pids(rt, "gated")))
+              and all(shm.pid_alive(p) for p in _pids(rt, "gated")), timeout=120)  # a fresh process loads torch
     m.close()
     for v in range(4):
         _honest(rt, "gated", value=float(v))

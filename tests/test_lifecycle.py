@@ -30,7 +30,12 @@ def _start(mode: str) -> subprocess.Popen:
 
 def _run(mode: str):
     proc = _start(mode)
-    out, err = proc.communicate(timeout=90)
+    try:
+        out, err = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:  # a failing test must not leave the app running
+            proc.kill()
+            proc.communicate()
     return proc, out, err
 
 
@@ -103,9 +108,14 @@ def test_model_that_keeps_crashing_is_marked_broken_and_run_raises():
 @pytest.mark.parametrize("sig,code,word", [(signal.SIGINT, 130, "INTERRUPTED"), (signal.SIGTERM, 143, "")])
 def test_signal_to_the_main_process_cleans_up(sig, code, word):
     proc = _start("busy")
-    _wait_line(proc, "READY")
-    proc.send_signal(sig)
-    out, err = proc.communicate(timeout=60)
+    try:
+        _wait_line(proc, "READY")
+        proc.send_signal(sig)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
     assert proc.returncode == code, err
     assert word in out
     assert _clean(err), err
