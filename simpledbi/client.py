@@ -18,7 +18,6 @@ import weakref
 from typing import List, Optional, Tuple
 
 import numpy as np
-import posix_ipc
 
 from . import stats as _stats
 from .errors import ModelError, ModelProcessDied, RuntimeStopped

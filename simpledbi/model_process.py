@@ -23,7 +23,7 @@ import signal
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional
 
 import numpy as np
 import posix_ipc

@@ -13,7 +13,6 @@ import threading
 import time
 
 import numpy as np
-import posix_ipc
 import pytest
 
 from simpledbi import ModelError, ModelProcessDied, RuntimeStopped, SharedModel
@@ -47,6 +46,22 @@ def _wait_for(cond, timeout=30.0):
     while not cond():
         assert time.monotonic() < deadline, "condition not reached"
         threading.Event().wait(0.01)  # bounded wait on a shared-memory condition
+
+
+def _gated_call(m, gate):
+    """Start a call that blocks inside the model's forward pass; returns (thread, outcome dict)."""
+    outcome = {}
+
+    def call():
+        try:
+            outcome["y"] = m.forward(np.full((1, 2), models.GATE, np.float32))
+        except BaseException as e:  # noqa: BLE001 - the test inspects it
+            outcome["e"] = e
+
+    t = threading.Thread(target=call)
+    t.start()
+    gate.wait_entered()
+    return t, outcome
 
 
 def _client_code(rt, body):
@@ -150,17 +165,7 @@ def test_close_from_another_thread_ends_the_call_with_runtime_stopped(start_runt
     rt = start_runtime(cpu_model("gated", functools.partial(models.gated, gate.name),
                                  max_batch_size=1, wait_time=HUGE_WAIT))
     m = SharedModel("gated", max_shape=(1, 2), namespace=rt.namespace)
-    outcome = {}
-
-    def call():
-        try:
-            outcome["y"] = m.forward(np.full((1, 2), models.GATE, np.float32))
-        except BaseException as e:  # noqa: BLE001
-            outcome["e"] = e
-
-    t = threading.Thread(target=call)
-    t.start()
-    gate.wait_entered()
+    t, outcome = _gated_call(m, gate)
     m.close()
     t.join(10)
     assert not t.is_alive() and isinstance(outcome.get("e"), RuntimeStopped), outcome
@@ -300,17 +305,7 @@ def test_dead_model_process_is_restarted_and_its_callers_told_at_once(start_runt
     rt = start_runtime(cpu_model("gated", functools.partial(models.gated, gate.name), max_batch_size=1,
                                  model_num=2, wait_time=0.001, restart_backoff=0.01))
     m = SharedModel("gated", max_shape=(1, 2), namespace=rt.namespace)
-    outcome = {}
-
-    def call():
-        try:
-            outcome["y"] = m.forward(np.full((1, 2), models.GATE, np.float32))
-        except BaseException as e:  # noqa: BLE001
-            outcome["e"] = e
-
-    t = threading.Thread(target=call)
-    t.start()
-    gate.wait_entered()
+    t, outcome = _gated_call(m, gate)
     claimer = int(rt.ctls["gated"].claims["pid"][rt.ctls["gated"].claims["seq"] > 0][0])
     os.kill(claimer, signal.SIGKILL)
     t.join(5)  # told at once (its don is posted by the supervisor), not after a timeout
