@@ -6,18 +6,20 @@
         model = SharedModel("resnet50", max_shape=(1, 3, 224, 224))
         y = model.forward(x)
 
-    Run(target=worker, worker_num=8,
-        models=[ModelConfig(name="resnet50", path="resnet50.pt", max_batch_size=32, model_num=2)])
+    if __name__ == "__main__":
+        Run(target=worker, worker_num=8,
+            models=[ModelConfig(name="resnet50", path="resnet50.pt", max_batch_size=32, model_num=2)])
 """
 import logging as _logging
 
 from .client import SharedModel
 from .config import ModelConfig, RuntimeOptions
 from .errors import ModelError, ModelProcessDied, RuntimeStopped, SimpleDBIError, WorkerError
-from .runtime import Run
+from .runtime import Run, Runtime
 
 __all__ = [
     "Run",
+    "Runtime",
     "ModelConfig",
     "RuntimeOptions",
     "SharedModel",

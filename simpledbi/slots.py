@@ -459,16 +459,16 @@ class Peer:
 
     def __init__(self, namespace: str, model: str, slot: int, token: int):
         self.slot, self.token = slot, token
+        self.ready = self.done = self.fd = None
+        self.mapping = None      # (mmap, address, size) once mapped for DMA
+        self.warned = False
         self.fd = os.open(segment_path(namespace, model, slot, token), os.O_RDWR | os.O_CLOEXEC)
-        self.ready = self.done = None
         try:
             self.ready = open_semaphore(sem_name(namespace, model, slot, token, "rdy"))
             self.done = open_semaphore(sem_name(namespace, model, slot, token, "don"))
         except BaseException:
             self.close()
             raise
-        self.mapping = None      # (mmap, address, size) once mapped for DMA
-        self.warned = False
 
     def try_claim(self) -> bool:
         try:

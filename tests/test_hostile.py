@@ -13,6 +13,7 @@ import threading
 import time
 
 import numpy as np
+import posix_ipc
 import pytest
 
 from simpledbi import ModelError, ModelProcessDied, RuntimeStopped, SharedModel
@@ -346,5 +347,19 @@ def test_a_taken_namespace_name_is_never_reused(monkeypatch):
     try:
         with pytest.raises(OSError, match="fresh namespace"):
             shm.new_namespace()
+    finally:
+        shm.sweep_namespace(ns)
+
+
+def test_a_slot_that_vanishes_while_a_model_process_opens_it_is_skipped_cleanly():
+    # Seen in the soak: a client detached between a model process opening its segment and its
+    # semaphores. The open must fail with the missing object's error, nothing else.
+    from simpledbi.layout import segment_path
+    from simpledbi.slots import Peer
+    ns = shm.new_namespace()
+    try:
+        open(segment_path(ns, "m", 0, 5), "wb").close()
+        with pytest.raises(posix_ipc.ExistentialError):
+            Peer(ns, "m", 0, 5)
     finally:
         shm.sweep_namespace(ns)
