@@ -31,7 +31,7 @@ import posix_ipc
 from . import batching
 from .config import ModelConfig, RuntimeOptions
 from .layout import (
-    B_FIELDS, INST_DEAD, INST_READY, MAX_IO, MAX_NDIM, OUT_TENSOR, OUT_TUPLE, PUBLISHED, IDLE, RING,
+    B_FIELDS, COUNTERS, INST_DEAD, INST_READY, MAX_IO, MAX_NDIM, OUT_TENSOR, OUT_TUPLE, PUBLISHED, IDLE, RING,
     ST_BAD_REQUEST, ST_INTERNAL, ST_MODEL_ERROR, ST_OK, ST_STOPPED, STOPPING, ControlBlock, SlotTable,
     doorbell_name, dtype_code,
 )
@@ -39,7 +39,10 @@ from .shm import open_semaphore
 from .slots import BadRequest, Limits, Peer, Request, claim_words, mark_answered, write_claim
 
 logger = logging.getLogger(__name__)
-_FIELD = {name: i for i, name in enumerate(B_FIELDS)}
+assert B_FIELDS == ("t_close", "rows", "requests", "queue_wait", "gather", "h2d", "forward", "d2h",
+                    "scatter", "runtime", "t_end")  # the order _account writes a record in
+_C_REQUESTS, _C_BATCHES, _C_ROWS, _C_HEAD = (COUNTERS.fields[n][1] // 8 for n in
+                                             ("requests", "batches", "rows", "ring_head"))
 _BUSY_POLL = 0.0002  # seconds between device checks while collecting behind a running batch
 
 
@@ -119,6 +122,7 @@ class ModelServer:
         self.claim_done = self.ctl.claims["done"]
         self.claim_words = claim_words(self.ctl)
         self.counters = self.ctl.counters[self.me]
+        self.count_words = self.ctl.counters.view(np.int64).reshape(self.ctl.model_num, -1)[self.me]
         self.fatal = False
         self._launch_ema = 0.0    # host seconds to enqueue a forward pass (EMA)
         self._forward_ema = 0.0   # device seconds of a forward pass (EMA)
@@ -338,8 +342,8 @@ class ModelServer:
                 order = group[np.argsort(t.t_publish[group], kind="stable")] if group.size > 1 else group
             got = 0
             # rows hints are clipped: a lying hint must not block the requests behind it
-            for slot in batching.take_fitting(order, np.clip(t.nrows[order], 1, self.max_batch), room,
-                                              indexed=False):
+            hinted = np.minimum(np.maximum(t.nrows[order], 1), self.max_batch)
+            for slot in batching.take_fitting(order, hinted, room, indexed=False):
                 req = self._claim(slot, now)
                 if req is None:
                     continue
@@ -395,9 +399,10 @@ class ModelServer:
         """Could some attached client send a request now? Those with none in flight (IDLE), and
         those whose answer is written but not read yet (they are about to send again)."""
         t = self.table
-        if batching.more_can_arrive(t.state, (IDLE,)):
+        states = t.state
+        if (states == IDLE).any():
             return True
-        pub = t.state == PUBLISHED
+        pub = states == PUBLISHED
         return bool(np.any(pub & (self.claim_done == t.seq) & (self.claim_token == t.token)))
 
     # ------------------------------------------------------------ one batch
@@ -525,29 +530,22 @@ class ModelServer:
             logger.debug("%s answering slot %d failed", self.tag, r.slot, exc_info=True)
 
     def _account(self, batch, total, t_close, t_scatter, t_end, result, failed) -> None:
-        c = self.counters
-        c["requests"] += len(batch)
-        c["batches"] += 1
-        c["rows"] += total
-        head = int(c["ring_head"])
-        rec = self.ctl.ring[self.me, head % RING]
+        c = self.count_words  # int64 words of this instance's COUNTERS record
+        c[_C_REQUESTS] += len(batch)
+        c[_C_BATCHES] += 1
+        c[_C_ROWS] += total
+        head = int(c[_C_HEAD])
         times = result.times if result is not None else None
-        rec[_FIELD["t_close"]] = t_close
-        rec[_FIELD["rows"]] = total
-        rec[_FIELD["requests"]] = len(batch)
-        rec[_FIELD["queue_wait"]] = t_close - sum(r.t_publish for r in batch) / len(batch)
-        rec[_FIELD["gather"]] = times.gather if times else 0.0
-        rec[_FIELD["h2d"]] = times.h2d if times else 0.0
-        rec[_FIELD["forward"]] = times.forward if times else 0.0
-        rec[_FIELD["d2h"]] = times.d2h if times else 0.0
-        rec[_FIELD["scatter"]] = t_end - t_scatter
         # The runtime's own work on this batch: copy in (issue and DMA overlap), copy out, scatter
         # and wake. Not wall time minus forward: with pipelining, a batch also waits for the one
         # ahead of it on the device, which is neither its forward nor the runtime's cost.
         own = max(times.gather, times.h2d) + times.d2h if times else 0.0
-        rec[_FIELD["runtime"]] = own + (t_end - t_scatter)
-        rec[_FIELD["t_end"]] = t_end
-        c["ring_head"] = head + 1
+        queue_wait = t_close - sum(r.t_publish for r in batch) / len(batch)
+        self.ctl.ring[self.me, head % RING] = (  # in the order of layout.B_FIELDS
+            t_close, total, len(batch), queue_wait, times.gather if times else 0.0,
+            times.h2d if times else 0.0, times.forward if times else 0.0,
+            times.d2h if times else 0.0, t_end - t_scatter, own + (t_end - t_scatter), t_end)
+        c[_C_HEAD] = head + 1
 
 
 def _check_outputs(outputs, total: int) -> None:
