@@ -147,12 +147,17 @@ class Runtime:
 
     def _start_janitor(self) -> None:
         parent_end, child_end = self.ctx.Pipe()
-        self._janitor = self.ctx.Process(target=janitor_main, name="simpledbi-janitor",
-                                         args=(self.namespace, child_end, self.options.join_timeout),
-                                         daemon=False)
-        self._janitor.start()
-        child_end.close()
-        self._janitor_conn = parent_end
+        janitor = self.ctx.Process(target=janitor_main, name="simpledbi-janitor",
+                                   args=(self.namespace, child_end, self.options.join_timeout),
+                                   daemon=False)
+        try:
+            janitor.start()
+        except BaseException:
+            parent_end.close()
+            raise
+        finally:
+            child_end.close()
+        self._janitor, self._janitor_conn = janitor, parent_end  # only once it runs
 
     def _tell_janitor(self, *msg) -> None:
         with self._janitor_lock:

@@ -193,3 +193,14 @@ def test_slot_of_a_killed_client_process_is_reaped(start_runtime):
     assert [e for e in ours() + files if ".s0." in e and not e.endswith(".lock")] == []  # all gone
     with SharedModel("affine", max_shape=(1, 2), namespace=rt.namespace) as model:  # slot reusable
         np.testing.assert_array_equal(model.forward(np.ones((1, 2), np.float32)), np.full((1, 2), 3.0))
+
+
+@pytest.mark.timeout(120)
+def test_a_script_without_the_main_guard_is_told_what_is_missing():
+    proc = subprocess.run([sys.executable, os.path.join("tests", "apps", "noguard.py")], cwd=ROOT,
+                          capture_output=True, text=True, timeout=100,
+                          env=dict(os.environ, PYTHONPATH=ROOT))
+    assert proc.returncode != 0
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("simpledbi.errors.ModelProcessDied") and "guard" in last, proc.stderr[-3000:]
+    assert "AssertionError" not in proc.stderr and "leaked" not in proc.stderr
