@@ -14,7 +14,8 @@ import logging as _logging
 
 from .client import SharedModel
 from .config import ModelConfig, RuntimeOptions
-from .errors import ModelError, ModelProcessDied, RuntimeStopped, SimpleDBIError, WorkerError
+from .errors import (ModelError, ModelProcessDied, RuntimeStopped, SimpleDBIError, SlotsExhausted,
+                     WorkerError)
 from .runtime import Run, Runtime
 
 __all__ = [
@@ -27,6 +28,7 @@ __all__ = [
     "ModelError",
     "ModelProcessDied",
     "RuntimeStopped",
+    "SlotsExhausted",
     "WorkerError",
 ]
 __version__ = "0.1.0"

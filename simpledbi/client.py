@@ -193,6 +193,16 @@ class SharedModel:
         if ctl.state >= STOPPING:
             self._raise_runtime_state()
         seq = slot.publish(arrays)
+        try:
+            return self._await(slot, seq, deadline)
+        except BaseException:
+            # Whatever ended the wait (a typed error, KeyboardInterrupt, ...): a request still
+            # owed an answer keeps its slot stale, so the late answer can never reach a later call.
+            if not slot.stale_seq and not slot.answered(seq) and not slot.withdraw():
+                slot.stale_seq = seq
+            raise
+
+    def _await(self, slot: ClientSlot, seq: int, deadline: Optional[float]):
         poll = self.poll_interval
         while True:
             wait = poll

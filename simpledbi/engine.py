@@ -56,7 +56,7 @@ def _read_into(buf: np.ndarray, sources, short: set) -> None:
         fd, offset, nbytes, _ = sources[0]
         try:
             got = os.preadv(fd, [mv], offset) if nbytes == len(mv) else -1
-        except OSError:
+        except (OSError, TypeError):
             got = -1
         if got == nbytes:
             return
@@ -64,7 +64,7 @@ def _read_into(buf: np.ndarray, sources, short: set) -> None:
     for r, (fd, offset, nbytes, _) in enumerate(sources):
         try:
             got = os.preadv(fd, [mv[pos:pos + nbytes]], offset)
-        except OSError:
+        except (OSError, TypeError):  # a descriptor closed under us counts as nothing read
             got = 0
         if got != nbytes:
             mv[pos + got:pos + nbytes] = bytes(nbytes - got)

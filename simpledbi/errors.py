@@ -13,6 +13,7 @@ __all__ = [
     "ModelProcessDied",
     "RuntimeStopped",
     "WorkerError",
+    "SlotsExhausted",
     "RemoteTraceback",
 ]
 
@@ -71,3 +72,7 @@ class WorkerError(SimpleDBIError):
         self.remote_traceback = remote_traceback
         if remote_traceback:
             self.__cause__ = RemoteTraceback(remote_traceback)
+
+
+class SlotsExhausted(SimpleDBIError, RuntimeError):
+    """Every client slot of the model is taken (``ModelConfig.max_clients``)."""

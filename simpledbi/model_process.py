@@ -117,6 +117,7 @@ class ModelServer:
         self.peers: Dict[int, Peer] = {}
         self.deferred: List[Request] = []      # claimed by me, not batched yet (other shape / no room)
         self._open: Dict[int, Request] = {}    # id -> every request claimed and not answered yet
+        self.retired: set = set()              # replaced peers that still owe answers
         self._failed: Dict[int, int] = {}      # slot -> seq hint whose claim failed: don't retry it
         self.claim_seq, self.claim_token = self.ctl.claims["seq"], self.ctl.claims["token"]
         self.claim_done = self.ctl.claims["done"]
@@ -204,7 +205,7 @@ class ModelServer:
         self._fail(list(self._open.values()), ST_STOPPED, "the model process is stopping")
 
     def close(self) -> None:
-        for peer in self.peers.values():
+        for peer in list(self.peers.values()) + list(self.retired):
             self.engine.unregister(peer.mapping[1] if peer.mapping else 0)
             peer.close()
         self.peers.clear()
@@ -228,10 +229,9 @@ class ModelServer:
             return False
         state, token = self.table.state, self.table.token
         for slot, peer in list(self.peers.items()):
-            if state[slot] == 0 or token[slot] != peer.token:
+            if (state[slot] == 0 or token[slot] != peer.token) and not peer.inflight:
                 self._drop_peer(slot)
-        if len(self._failed) > self.ctl.max_slots:
-            self._failed.clear()
+        self._failed.clear()  # a failed claim is not retried within one poll interval, no longer
         return True
 
     # ------------------------------------------------------------ claiming
@@ -245,26 +245,35 @@ class ModelServer:
     def _drop_peer(self, slot: int) -> None:
         peer = self.peers.pop(slot, None)
         if peer is not None:
-            if peer.mapping is not None:
-                self.engine.unregister(peer.mapping[1])
-            peer.close()
+            self._close_peer(peer)
+
+    def _close_peer(self, peer: Peer) -> None:
+        """Close a peer -- or, while requests it carries are still unanswered, retire it: its
+        descriptors stay open until the last of them is answered."""
+        if peer.inflight:
+            self.retired.add(peer)
+            return
+        self.retired.discard(peer)
+        if peer.mapping is not None:
+            self.engine.unregister(peer.mapping[1])
+        peer.close()
 
     def _peer(self, slot: int, token: int) -> Optional[Peer]:
         peer = self.peers.get(slot)
         if peer is not None and peer.token == token:
             return peer
-        self._drop_peer(slot)
-        try:
-            peer = Peer(self.spec.namespace, self.cfg.name, slot, token)
+        try:  # the new one must open before the old one goes: a forged token opens nothing
+            new = Peer(self.spec.namespace, self.cfg.name, slot, token)
         except (posix_ipc.Error, OSError, ValueError):
             return None  # gone (detached), or a hint that names nothing
+        self._drop_peer(slot)
         if self.engine.wants_mapping:
-            m = peer.map()
+            m = new.map()
             if m is not None and not self.engine.register(*m):
-                peer.mapping[0].close()
-                peer.mapping = None
-        self.peers[slot] = peer
-        return peer
+                new.mapping[0].close()
+                new.mapping = None
+        self.peers[slot] = new
+        return new
 
     def _pending(self) -> np.ndarray:
         """Slots whose hints say: a request is published and nobody has claimed it."""
@@ -276,8 +285,9 @@ class ModelServer:
             pend = pend[~mine]
             if self._failed and pend.size:
                 failed = self._failed
-                pend = np.array([s for s, q in zip(pend.tolist(), t.seq[pend].tolist())
-                                 if failed.get(s) != q], dtype=np.int64)
+                pend = np.array([s for s, k, q in zip(pend.tolist(), t.token[pend].tolist(),
+                                                      t.seq[pend].tolist())
+                                 if failed.get(s) != (k, q)], dtype=np.int64)
         return pend
 
     def _claim(self, slot: int, now: float) -> Optional[Request]:
@@ -285,12 +295,14 @@ class ModelServer:
         token, seq_hint = int(t.token[slot]), int(t.seq[slot])
         peer = self._peer(slot, token)
         if peer is None or not peer.try_claim():
-            self._failed[slot] = seq_hint
+            self._failed[slot] = (token, seq_hint)  # this attach's request: not again this interval
             return None
+        peer.inflight += 1
         try:
             req = peer.read_request(self.limits, seq_hint, now)
         except BadRequest as e:
             write_claim(self.claim_words, slot, token, e.seq, self.me, self.pid)
+            peer.inflight -= 1
             self._reject(peer, e.seq, str(e))
             return None
         write_claim(self.claim_words, slot, token, req.seq, self.me, self.pid)
@@ -521,13 +533,18 @@ class ModelServer:
 
     def _respond(self, r: Request, status: int, text: str = "", outs=(), structure: int = 0,
                  t_close: float = 0.0, total: int = 0) -> None:
+        if r.answered:
+            return
         r.answered = True
         self._open.pop(id(r), None)
+        r.peer.inflight -= 1
         try:
             r.peer.respond(r.seq, status, text, outs, r.out_offset, structure, self.me, t_close, total)
             mark_answered(self.claim_words, r.slot, r.seq)
         except Exception:  # noqa: BLE001 - a closed peer: its client is gone
             logger.debug("%s answering slot %d failed", self.tag, r.slot, exc_info=True)
+        if r.peer in self.retired and not r.peer.inflight:
+            self._close_peer(r.peer)
 
     def _account(self, batch, total, t_close, t_scatter, t_end, result, failed) -> None:
         c = self.count_words  # int64 words of this instance's COUNTERS record

@@ -79,8 +79,7 @@ logger = logging.getLogger(__name__)
 _SEQ_BYTES = np.dtype("<i8").itemsize
 
 
-class SlotsExhausted(RuntimeError):
-    pass
+from .errors import SlotsExhausted  # noqa: E402  (re-exported for the client)
 
 
 # ================================================================ client side
@@ -98,6 +97,7 @@ class ClientSlot:
         self.ready = self.done = None
         self.seq = 0
         self.stale_seq = 0          # a timed-out request a model process still owes an answer to
+        self.withdrawn = 0          # the last seq taken back before any model process claimed it
         self.woken = 0.0
         self.interrupted = False    # close() from another thread while a call waits here
         self._sem_lock = threading.Lock()  # wake() from another thread vs. detach() closing ``done``
@@ -195,7 +195,7 @@ class ClientSlot:
         try:
             self.done.acquire(max(timeout, 0.0))
             woke = True
-        except posix_ipc.BusyError:
+        except (posix_ipc.BusyError, posix_ipc.SignalError):  # a signal: the caller loops
             woke = False
         if int(self._resp_seq[0]) == seq:
             if not woke:  # written, but its post is still to come: absorb it
@@ -226,7 +226,8 @@ class ClientSlot:
         try:
             self.ready.acquire(0)
         except posix_ipc.BusyError:
-            return False
+            return self.withdrawn == self.seq  # taken back already, or not
+        self.withdrawn = self.seq
         self.table.state[self.index] = IDLE
         return True
 
@@ -429,6 +430,7 @@ class Limits:
     n_inputs: Optional[int] = None                # known when the model declares its inputs
     dtypes: Optional[Tuple[np.dtype, ...]] = None
     max_age: float = 3600.0                       # publish times older than this are clamped
+    max_request_bytes: int = 2**31                # per input: a sparse segment must not size staging
 
 
 @dataclass
@@ -462,6 +464,7 @@ class Peer:
         self.ready = self.done = self.fd = None
         self.mapping = None      # (mmap, address, size) once mapped for DMA
         self.warned = False
+        self.inflight = 0        # requests claimed through this peer and not answered yet
         self.fd = os.open(segment_path(namespace, model, slot, token), os.O_RDWR | os.O_CLOEXEC)
         try:
             self.ready = open_semaphore(sem_name(namespace, model, slot, token, "rdy"))
@@ -518,6 +521,9 @@ class Peer:
             if not all(1 <= d <= MAX_DIM for d in dims):
                 raise BadRequest(f"input {k}: item shape {dims} has a dimension outside 1..{MAX_DIM}", seq)
             n = rows * math.prod(dims) * dt.itemsize
+            if n > limits.max_request_bytes:
+                raise BadRequest(f"input {k}: {n} bytes is more than the {limits.max_request_bytes} "
+                                 f"a request may carry", seq)
             if not (off >= DATA_OFFSET and off % 64 == 0 and off + n <= size):
                 raise BadRequest(f"input {k}: {n} bytes at offset {off} do not fit the slot's segment "
                                  f"of {size} bytes", seq)
@@ -557,7 +563,7 @@ class Peer:
                     end = off + o.nbytes
                     off = align(end, 64)
                 w[_RS_NOUT], w[_RS_STRUCT], w[_RS_NEEDED] = len(outputs), structure, end
-        except OSError as e:
+        except (OSError, TypeError, ValueError) as e:
             status, text = ST_BAD_REQUEST, f"could not write the outputs into the client's slot: {e}"
         try:
             if text:
@@ -570,9 +576,11 @@ class Peer:
             _F64.pack_into(buf, _RS_TDONE * 8, time.monotonic())
             os.pwrite(self.fd, buf, RESP_OFF)
             os.pwrite(self.fd, _I64.pack(seq), RESP_SEQ_OFF)  # last
-        except OSError:
+        except (OSError, TypeError, ValueError):
             logger.debug("slot %d: the response could not be written", self.slot, exc_info=True)
-        self.done.release()
+        finally:
+            if self.done is not None:
+                self.done.release()
 
     def map(self) -> Optional[Tuple[int, int]]:
         """Map the segment (for registration and DMA by the device); (address, size) or None."""

@@ -363,3 +363,58 @@ def test_a_slot_that_vanishes_while_a_model_process_opens_it_is_skipped_cleanly(
             Peer(ns, "m", 0, 5)
     finally:
         shm.sweep_namespace(ns)
+
+
+# found by an attacker after the first round -----------------------------------------------------
+def test_a_forged_token_in_a_claimed_clients_row_does_not_lose_its_answer(start_runtime):
+    # The batch waits (another client is idle) with the victim's request claimed; meanwhile its
+    # row's token is forged. The model process must keep the victim's slot open and answer it.
+    rt = start_runtime(cpu_model("affine", models.affine, max_batch_size=4, wait_time=1.0))
+    idle = SharedModel("affine", max_shape=(1, 2), namespace=rt.namespace)
+    idle.forward(np.ones((1, 2), np.float32))  # now IDLE: batches wait for it
+    victim = SharedModel("affine", max_shape=(1, 2), namespace=rt.namespace)
+    table, claims = rt.tables["affine"], rt.ctls["affine"].claims
+    x = np.full((1, 2), 4.0, np.float32)
+    out = {}
+    t = threading.Thread(target=lambda: out.setdefault("y", victim.forward(x, timeout=10)))
+    t.start()
+    slot = victim._h.busy and next(iter(victim._h.busy)).index
+    _wait_for(lambda: int(claims["seq"][slot]) == int(table.seq[slot]) > 0)
+    table.token[slot] ^= 2
+    rt.doorbells["affine"].release()
+    t.join(15)
+    np.testing.assert_array_equal(out["y"], x * 2 + 1)
+    victim.close()
+    idle.close()
+    _honest(rt, "affine")
+
+
+def test_a_fresh_client_at_a_reused_index_is_served_at_once(start_runtime):
+    # A failed claim is remembered per (token, seq): a new client of the same index starts at
+    # seq 1 again and must not be mistaken for the old one.
+    rt = start_runtime(cpu_model("affine", models.affine, max_batch_size=4, wait_time=0.003))
+    x = np.ones((1, 2), np.float32)
+    for k in range(150):
+        with SharedModel("affine", max_shape=(1, 2), namespace=rt.namespace) as a:
+            try:
+                a.forward(x, timeout=0.0001 * (k % 6))
+            except TimeoutError:
+                pass
+        with SharedModel("affine", max_shape=(1, 2), namespace=rt.namespace) as b:
+            np.testing.assert_array_equal(b.forward(x, timeout=5), x * 2 + 1)
+
+
+def test_signals_during_a_call_are_not_errors(start_runtime):
+    rt = start_runtime(cpu_model("affine", models.affine, max_batch_size=4))
+    ticks = []
+    previous = signal.signal(signal.SIGALRM, lambda *a: ticks.append(1))
+    signal.setitimer(signal.ITIMER_REAL, 0.0005, 0.0005)
+    try:
+        with SharedModel("affine", max_shape=(1, 2), namespace=rt.namespace) as m:
+            for i in range(300):
+                x = np.full((1, 2), float(i), np.float32)
+                np.testing.assert_array_equal(m.forward(x, timeout=10), x * 2 + 1)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert ticks  # the calls really were interrupted
