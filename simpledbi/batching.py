@@ -36,8 +36,6 @@ def take_fitting(order: np.ndarray, rows: np.ndarray, room: int, indexed: bool =
     ``rows`` is indexed by slot, or (``indexed=False``) already in the order of ``order``."""
     if room <= 0 or order.size == 0:
         return []
-    if not indexed:
-        rows = rows if rows.shape == order.shape else rows[:order.size]
     if order.size == 1:
         return [int(order[0])] if (rows[order[0]] if indexed else rows[0]) <= room else []
     cum = np.cumsum(rows[order] if indexed else rows)

@@ -66,6 +66,7 @@ from typing import List, Optional, Sequence, Tuple
 import numpy as np
 import posix_ipc
 
+from .errors import SlotsExhausted
 from .layout import (
     CLAIM, DATA_OFFSET, DTYPES, REQ_WORD, RESP_WORD, ERR_BYTES, ERR_OFF, FREE, IDLE, MAGIC, MAX_DIM, MAX_IO, MAX_NDIM, NEW,
     PUBLISHED, REQ_OFF, REQUEST, RESP_OFF, RESP_SEQ_OFF, RESPONSE, ST_BAD_REQUEST, ST_OK,
@@ -79,7 +80,6 @@ logger = logging.getLogger(__name__)
 _SEQ_BYTES = np.dtype("<i8").itemsize
 
 
-from .errors import SlotsExhausted  # noqa: E402  (re-exported for the client)
 
 
 # ================================================================ client side
