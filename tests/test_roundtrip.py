@@ -95,7 +95,9 @@ def test_two_models_in_one_run():
     out = Run(target=workers.two_models_worker, worker_num=3,
               models=[cpu_model("affine", models.affine, max_batch_size=4),
                       cpu_model("mean", models.channel_mean, max_batch_size=4)], options=FAST)
-    assert len(out) == 3 and all(a >= 20 and m >= 20 for a, m in out)
+    # Each worker reads the counters right after its 20th answer; the batch that carried it may
+    # be counted a moment later (counters are written after the callers are woken): >= 19.
+    assert len(out) == 3 and all(a >= 19 and m >= 19 for a, m in out)
 
 
 def test_model_num_2_serves_two_batches_at_once(start_runtime, sem_prefix):
