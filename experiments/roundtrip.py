@@ -1,10 +1,11 @@
 """The runtime's own cost per request: echo-model round trip vs a bare semaphore ping-pong.
 
-    python experiments/roundtrip.py [--n 5000]
+    python experiments/roundtrip.py [--n 5000] [--workers 8 --seconds 5]
 
 (a) two processes pass a token back and forth through two posix_ipc semaphores (the floor);
 (b) one worker sends a (1, 4) float32 tensor through simpledbi to an identity model on the CPU.
 Both run in this process tree, on this machine, one after the other; p50/p90/p99 in microseconds.
+(c) ``--workers`` processes send (b)'s request in a closed loop: requests per second.
 """
 from __future__ import annotations
 
@@ -77,9 +78,37 @@ def echo_roundtrip(n: int) -> np.ndarray:
     return Run(target=_echo_worker, worker_num=1, args=(n,), models=[cfg], options=RuntimeOptions())[0]
 
 
+def _throughput_worker(rank: int, seconds: float, start: float) -> tuple:
+    model = SharedModel("echo", max_shape=(1, 4))
+    x = np.ones((1, 4), np.float32)
+    for _ in range(200):
+        model.forward(x)
+    while time.monotonic() < start:  # every worker starts measuring at the same moment
+        time.sleep(0.001)
+    n, end = 0, start + seconds
+    while time.monotonic() < end:
+        model.forward(x)
+        n += 1
+    return n, model.stats()
+
+
+def echo_throughput(workers: int, seconds: float) -> dict:
+    """``workers`` processes send the echo request in a closed loop for ``seconds``."""
+    cfg = ModelConfig(name="echo", factory=identity, max_batch_size=workers, device="cpu",
+                      num_threads=1)
+    start = time.monotonic() + 3.0 + 0.3 * workers
+    out = Run(target=_throughput_worker, worker_num=workers, args=(seconds, start), models=[cfg])
+    n = sum(o[0] for o in out)
+    return {"workers": workers, "requests_per_s": n / seconds,
+            "mean_batch_size": out[0][1]["mean_batch_size"]}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--n", type=int, default=5000)
+    ap.add_argument("--workers", type=int, default=8, help="closed-loop echo workers for the "
+                    "throughput figure (0: skip it)")
+    ap.add_argument("--seconds", type=float, default=5.0)
     ap.add_argument("--json", default="")
     a = ap.parse_args()
     sem = semaphore_pingpong(a.n)
@@ -90,6 +119,10 @@ def main():
         out[name] = {"p50_us": p50, "p90_us": p90, "p99_us": p99}
         print(f"{name:32s} p50 {p50:7.1f} us   p90 {p90:7.1f} us   p99 {p99:7.1f} us")
     print(f"ratio (p50): {out['simpledbi echo round trip']['p50_us'] / out['posix_ipc semaphore ping-pong']['p50_us']:.1f}x")
+    if a.workers:
+        out["throughput"] = tp = echo_throughput(a.workers, a.seconds)
+        print(f"{a.workers} echo workers, closed loop: {tp['requests_per_s']:.0f} requests/s "
+              f"(mean batch {tp['mean_batch_size']:.2f})")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=2)

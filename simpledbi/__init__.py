@@ -31,6 +31,6 @@ __all__ = [
     "SlotsExhausted",
     "WorkerError",
 ]
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 _logging.getLogger(__name__).addHandler(_logging.NullHandler())

@@ -1,33 +1,182 @@
-"""The batching policy, as pure functions of (ready requests, now, limits).
+"""The batching policy: when to close a batch, as pure functions of (queue snapshot, now, learned
+costs, limits). Kept free of processes and shared memory so its decisions are unit-tested directly.
 
-Kept free of processes and shared memory so it is unit-tested directly (like Ray Serve's
-``_BatchQueue.wait_for_batch``). The model process feeds it numpy views of the slot table.
+NOTE [adaptive batching]
+------------------------
+A fixed "wait up to ``wait_time`` for more" doubles latency at low load and buys nothing when the
+device would otherwise idle. Instead each model process learns, per item shape, what a batch of
+``n`` rows costs (``CostModel``: a decayed least-squares fit ``cost(n) = fixed + per_row * n``)
+and how fast rows arrive (``RateMeter``), and asks :func:`decide` after every change:
 
-Rules (see README, "Batching"):
-  * only requests with equal item shapes and dtypes (equal ``key``) share a batch; the group of
-    the *oldest* pending request goes first, and requests join in arrival order;
-  * a batch closes when it holds ``max_batch_size`` rows, when ``wait_time`` has passed since its
-    oldest request was published (the timer starts at the first request, never at a clock tick),
-    or at once when no further request can arrive (every attached client has one pending).
+* close at once when the batch is full, when rows of its shape are already waiting that did not
+  fit, when no attached client could send another request, when the oldest request has waited
+  ``wait_time`` (an upper bound now, not the usual delay), or when waiting longer would break
+  ``latency_target``;
+* while the device is still busy with the previous batch, keep collecting: the batch could not
+  start earlier anyway;
+* otherwise wait only if it pays. Running now and running the rows that arrive during a wait
+  ``w`` as a batch of their own costs one more ``fixed``; waiting delays the rows already here
+  by ``w`` (and their batch by ``per_row`` per newcomer). With ``k = rate * w`` newcomers the
+  total latency saved is ``k * (fixed - w) - b * (w + per_row * k)``, which is positive only if
+  ``fixed > b / rate + b * per_row`` and is largest at ``w* = (fixed - b / rate - b * per_row) / 2``.
+  So at low load (``b / rate`` large) a request runs at once, and under load with a large fixed
+  cost (launch-bound models) the batch waits a fraction of that fixed cost.
+
+A ``latency_target`` also caps the batch size (:func:`row_limit`): a request may wait for the
+batch ahead of it and then run in its own, so a batch is at most as large as fits in half the
+target.
+
+Requests of a batch share an item shape and dtypes (equal ``key``); the oldest request's group
+goes first and requests join in arrival order (:func:`take_fitting`), so nobody is passed over.
 """
 from __future__ import annotations
 
-from typing import List, Tuple
+import math
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
+#: Waits shorter than this are not worth a sleep (a semaphore wait costs about as much).
+MIN_WAIT = 20e-6
 
-def oldest_group(pending: np.ndarray, keys: np.ndarray, t_publish: np.ndarray) -> Tuple[int, np.ndarray]:
-    """Among slot indices ``pending``, the key of the oldest request and that key's slots, oldest first.
 
-    Returns ``(0, empty)`` when nothing is pending.
-    """
-    if pending.size <= 1:
-        return (int(keys[pending[0]]) if pending.size else 0), pending
-    times = t_publish[pending]
-    key = int(keys[pending[int(np.argmin(times))]])
-    same = pending[keys[pending] == key]
-    return key, same[np.argsort(t_publish[same], kind="stable")]
+@dataclass(frozen=True)
+class Policy:
+    """The limits a model process batches under (from ``ModelConfig``)."""
+
+    max_batch: int
+    wait_time: float                         # upper bound on how long any request waits to batch
+    latency_target: Optional[float] = None   # seconds: keep p99 latency under this if possible
+    adaptive: bool = True                    # False: wait up to wait_time whenever more may come
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """What a model process knows about the batch it is collecting."""
+
+    rows: int            # rows in the batch so far (>= 1)
+    oldest: float        # publish time of its oldest request (time.monotonic)
+    waiting: int = 0     # rows of the batch's shape published and not taken (they did not fit)
+    may_send: int = 0    # attached clients that could send a request now
+    device_busy: bool = False   # the previous batch is still running on the device
+
+
+def decide(s: Snapshot, now: float, cost: Optional[Tuple[float, float]], rate: float,
+           p: Policy, limit: Optional[int] = None) -> Tuple[bool, float]:
+    """Close the batch now (``(True, 0)``), or ``(False, w)``: ask again after at most ``w``
+    seconds (or as soon as something changes). ``cost`` is ``(fixed, per_row)`` seconds or None
+    while unknown; ``rate`` is rows/s arriving; ``limit`` the batch's row cap (:func:`row_limit`)."""
+    limit = p.max_batch if limit is None else limit
+    if s.rows >= limit or s.waiting > 0 or s.may_send <= 0:
+        return True, 0.0
+    budget = s.oldest + p.wait_time - now
+    if p.latency_target is not None and cost is not None:
+        fixed, per_row = cost
+        budget = min(budget, s.oldest + p.latency_target - now - 1.25 * (fixed + per_row * limit))
+    if budget <= MIN_WAIT:
+        return True, 0.0
+    if not p.adaptive or s.device_busy:
+        return False, budget
+    if cost is None or rate <= 0.0:
+        return True, 0.0   # nothing learned yet, or nothing arriving: waiting cannot pay
+    fixed, per_row = cost
+    best = (fixed - s.rows / rate - s.rows * per_row) / 2.0
+    fill = (min(limit, s.rows + s.may_send) - s.rows) / rate   # no gain past a full batch
+    wait = min(best, fill, budget)
+    if wait <= MIN_WAIT:
+        return True, 0.0
+    return False, wait
+
+
+def row_limit(p: Policy, cost: Optional[Tuple[float, float]]) -> int:
+    """The most rows a batch may take: ``max_batch``, or fewer when ``latency_target`` needs it
+    (a request may wait for one batch and run in the next: each must fit in half the target)."""
+    if p.latency_target is None or cost is None:
+        return p.max_batch
+    fixed, per_row = cost
+    if per_row <= 0.0:
+        return p.max_batch if fixed <= p.latency_target / 2 else 1
+    n = int((p.latency_target / 2 - fixed) / per_row)
+    return max(1, min(p.max_batch, n))
+
+
+class CostModel:
+    """What a batch costs, learned online per item shape (``key``): an exponentially weighted
+    least-squares fit of ``seconds = fixed + per_row * rows``. Recent batches weigh most
+    (``memory`` batches), so a model warming up or a device shared with others is tracked."""
+
+    def __init__(self, memory: float = 200.0, max_keys: int = 64):
+        self.decay = 1.0 - 1.0 / memory
+        self.max_keys = max_keys
+        self._sums: Dict[int, List[float]] = {}   # key -> [w, w*n, w*t, w*n*n, w*n*t]
+        self._fits: Dict[int, Optional[Tuple[float, float]]] = {}
+
+    def observe(self, key: int, rows: int, seconds: float) -> None:
+        if not (seconds >= 0.0 and math.isfinite(seconds)) or rows < 1:
+            return
+        s = self._sums.get(key)
+        if s is None:
+            if len(self._sums) >= self.max_keys:
+                self._sums.clear()
+                self._fits.clear()
+            s = self._sums[key] = [0.0] * 5
+        d = self.decay
+        s[0] = s[0] * d + 1.0
+        s[1] = s[1] * d + rows
+        s[2] = s[2] * d + seconds
+        s[3] = s[3] * d + rows * rows
+        s[4] = s[4] * d + rows * seconds
+        self._fits.pop(key, None)
+
+    def fit(self, key: int) -> Optional[Tuple[float, float]]:
+        """``(fixed, per_row)`` seconds, both >= 0; None before the first batch of ``key``."""
+        if key in self._fits:
+            return self._fits[key]
+        s = self._sums.get(key)
+        if s is None:
+            return None
+        w, n, t, nn, nt = s
+        mean_n, mean_t = n / w, t / w
+        var = nn / w - mean_n * mean_n
+        if var <= 1e-9 * max(1.0, mean_n * mean_n):   # one batch size seen: all of it is fixed
+            fit = (mean_t, 0.0)
+        else:
+            per_row = max(0.0, (nt / w - mean_n * mean_t) / var)
+            fixed = mean_t - per_row * mean_n
+            if fixed < 0.0:   # proportional cost: no fixed part worth waiting for
+                fit = (0.0, mean_t / mean_n)
+            else:
+                fit = (fixed, per_row)
+        self._fits[key] = fit
+        return fit
+
+    def predict(self, key: int, rows: int) -> Optional[float]:
+        f = self.fit(key)
+        return None if f is None else f[0] + f[1] * rows
+
+
+class RateMeter:
+    """Rows per second arriving, as an exponentially decayed count over ``tau`` seconds."""
+
+    def __init__(self, tau: float = 0.25):
+        self.tau = tau
+        self._count = 0.0
+        self._t = None
+
+    def add(self, rows: int, now: float) -> None:
+        self._decay(now)
+        self._count += rows
+
+    def rate(self, now: float) -> float:
+        self._decay(now)
+        return self._count / self.tau
+
+    def _decay(self, now: float) -> None:
+        if self._t is not None and now > self._t:
+            self._count *= math.exp((self._t - now) / self.tau)
+        if self._t is None or now > self._t:
+            self._t = now
 
 
 def take_fitting(order: np.ndarray, rows: np.ndarray, room: int, indexed: bool = True) -> List[int]:
@@ -41,25 +190,3 @@ def take_fitting(order: np.ndarray, rows: np.ndarray, room: int, indexed: bool =
     cum = np.cumsum(rows[order] if indexed else rows)
     n = int(np.searchsorted(cum, room, side="right"))
     return [int(s) for s in order[:n]]
-
-
-def close_decision(batch_rows: int, max_batch: int, oldest_publish: float, now: float,
-                   wait_time: float, more_can_arrive: bool) -> Tuple[bool, float]:
-    """Whether to run the batch now; if not, how long at most to wait for more requests."""
-    if batch_rows >= max_batch or not more_can_arrive:
-        return True, 0.0
-    left = oldest_publish + wait_time - now
-    if left <= 0:
-        return True, 0.0
-    return False, left
-
-
-def more_can_arrive(states: np.ndarray, idle_states: Tuple[int, ...]) -> bool:
-    """True if some attached client could still send a request (it has none pending now).
-
-    ``states`` holds one entry per slot; detached slots are in a state outside ``idle_states``.
-    """
-    can = states == idle_states[0]
-    for s in idle_states[1:]:
-        can |= states == s
-    return bool(can.any())

@@ -45,8 +45,9 @@ class ModelConfig:
     Give either ``path`` (a TorchScript file, or a ``torch.export`` ``.pt2`` file) or ``factory``
     (a picklable callable, called once in each model process, returning an ``nn.Module`` or any
     callable taking tensors). A request is batched with others of the same item shape; a batch
-    closes at ``max_batch_size`` rows, ``wait_time`` seconds after its oldest request arrived, or
-    at once when every attached client already has a request pending.
+    closes at ``max_batch_size`` rows, at once when no attached client could send another
+    request, and otherwise when waiting longer would not pay for itself (NOTE [adaptive
+    batching] in batching.py): ``wait_time`` is only the upper bound on that wait.
     """
 
     name: str
@@ -54,7 +55,14 @@ class ModelConfig:
     factory: Optional[Callable[[], Any]] = None
     max_batch_size: int = 32
     model_num: int = 1
+    #: Upper bound, in seconds, on how long a request waits for others to join its batch.
     wait_time: float = 0.003
+    #: Seconds: keep p99 latency (publish to answer) under this where load allows, by capping
+    #: waits and batch sizes; answers later than it are counted in stats()["over_target"].
+    latency_target: Optional[float] = None
+    #: "adaptive" (default): wait only as long as the learned costs say it pays; "fixed": wait up
+    #: to wait_time whenever an attached client may still send (the policy of simpledbi 0.1).
+    batching: str = "adaptive"
     device: Union[str, Sequence[str]] = "auto"
     #: Item shapes (without the batch dimension) used to warm the model up at load time (and to
     #: capture CUDA graphs). One tuple per input; requests with another input count are rejected.
@@ -70,11 +78,13 @@ class ModelConfig:
     #: copy; "device" = one DMA per request straight from registered shared memory; "auto" picks
     #: "device" on CUDA and "host" on CPU.
     gather: str = "auto"
-    #: CUDA graphs: "auto" (default: capture on CUDA when ``input_shapes`` is given, and fall back
-    #: to eager with a warning if capture fails), True (capture, fail loudly), False, or the batch
-    #: sizes to capture. A batch is padded up to the next captured size and replayed (padding rows
-    #: never reach a caller); requests of other item shapes run eagerly. Like dynamic batching
-    #: itself, this assumes a model's rows are independent of each other (eval-mode networks).
+    #: CUDA graphs: "auto" (default: on CUDA, graphs for batches of up to 8 rows are captured
+    #: for each item shape that arrives -- while the process holds no requests; eager meanwhile,
+    #: and for good if capture fails, logged once), True (all sizes), False, or the batch sizes.
+    #: With ``input_shapes`` they are captured at load time (True / sizes: failure is an error).
+    #: A batch is padded up to the next captured size and replayed (padding rows never reach a
+    #: caller). Like dynamic batching itself, this assumes a model's rows are independent of
+    #: each other (eval-mode networks).
     cuda_graphs: Union[bool, str, Sequence[int]] = "auto"
     #: Most clients (SharedModel threads) that may attach at once.
     max_clients: int = 512
@@ -112,6 +122,13 @@ class ModelConfig:
         if not 0 <= self.wait_time <= 60:
             raise ValueError(f"wait_time: expected 0 <= seconds <= 60, got {self.wait_time}")
         object.__setattr__(self, "wait_time", float(self.wait_time))
+        if self.latency_target is not None:
+            _check_type("latency_target", self.latency_target, (int, float), "seconds or None")
+            if not 0 < self.latency_target <= 3600:
+                raise ValueError(f"latency_target: expected 0 < seconds <= 3600, got {self.latency_target}")
+            object.__setattr__(self, "latency_target", float(self.latency_target))
+        if self.batching not in ("adaptive", "fixed"):
+            raise ValueError(f"batching: expected 'adaptive' or 'fixed', got {self.batching!r}")
         object.__setattr__(self, "device", _normalize_devices(self.device))
         if self.input_shapes is not None:
             shapes = tuple(tuple(int(d) for d in s) for s in self.input_shapes)
@@ -137,8 +154,6 @@ class ModelConfig:
             raise ValueError(f"cuda_graphs: expected 'auto', True, False or batch sizes, got "
                              f"{self.cuda_graphs!r}")
         if self.cuda_graphs is not False and self.cuda_graphs != "auto":
-            if self.input_shapes is None:
-                raise ValueError("cuda_graphs: needs input_shapes (the item shapes to capture)")
             if self.cuda_graphs is True:
                 sizes = set(self._default_graph_sizes())
             else:
@@ -174,7 +189,7 @@ class ModelConfig:
         batches (up to 8 rows), where launching the kernels costs as much as running them; larger
         batches run eagerly, since padding them up to a bucket costs more than it saves (measured:
         128 workers / max batch 32 went from 1.09x to 0.99x of plain PyTorch with all buckets)."""
-        if self.cuda_graphs is False or self.input_shapes is None:
+        if self.cuda_graphs is False:
             return ()
         if self.cuda_graphs == "auto":
             return tuple(n for n in self._default_graph_sizes() if n <= _AUTO_GRAPH_MAX_ROWS)

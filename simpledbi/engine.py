@@ -30,6 +30,12 @@ from .config import ModelConfig
 logger = logging.getLogger(__name__)
 
 _PRECISION = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+#: Item signatures (shapes + dtypes) a model process keeps CUDA graphs for; others run eagerly.
+MAX_GRAPH_SIGNATURES = 4
+
+
+def _describe(sig) -> str:
+    return ", ".join(f"{tuple(item)} {np.dtype(d)}" for item, d in sig)
 
 
 class BadModelOutput(Exception):
@@ -135,8 +141,13 @@ class Engine:
         self.cast = _PRECISION[cfg.precision] if cfg.precision != "float32" else None
         self.gather_mode = cfg.gather if cfg.gather != "auto" else ("device" if self.cuda else "host")
         self._registered = {}                        # address -> size (cudaHostRegister)
-        self._graphs = {}                            # batch size -> _Graph
-        self._graph_key = None                       # (item shapes, dtypes) the graphs take
+        # CUDA graphs, per item signature ((item shape, dtype) per input): {batch size: _Graph}.
+        # Signatures seen eagerly are queued and captured later, one size per capture_step().
+        self._graphs: dict = {}
+        self._graph_sizes = cfg.graph_batch_sizes() if self.cuda else ()
+        self._graph_todo: List[tuple] = []           # (signature, batch size) still to capture
+        self._graph_seen: set = set()                # signatures queued, captured or given up on
+        self._graph_pool = None
         # Two sets of staging buffers: batch k+1 is copied in while batch k computes.
         self._sets = [_BufferSet(self.cuda) for _ in range(2 if self.cuda else 1)]
         self._next_set = 0
@@ -305,10 +316,15 @@ class Engine:
         t0 = time.perf_counter()
         ev, bs, rows = launched.events, launched.buffers, launched.rows
         graph = None
-        if self._graphs and rows <= max(self._graphs):
-            key = tuple((tuple(item), np.dtype(dtype)) for _, dtype, item in launched.staged)
-            if key == self._graph_key:
-                graph = self._graphs[min(n for n in self._graphs if n >= rows)]
+        if self._graph_sizes:
+            sig = tuple((tuple(item), np.dtype(dtype)) for _, dtype, item in launched.staged)
+            graphs = self._graphs.get(sig)
+            if graphs:
+                fits = [n for n in graphs if n >= rows]
+                if fits:
+                    graph = graphs[min(fits)]
+            elif sig not in self._graph_seen:
+                self._queue_graphs(sig)
         with torch.cuda.stream(self.stream):
             self.stream.wait_event(ev["copied"])
             ev["fwd_start"].record()
@@ -361,42 +377,77 @@ class Engine:
             dev[pos:pos + n].copy_(torch.from_numpy(host), non_blocking=True)
             pos += n
 
+    # ------------------------------------------------------------ CUDA graphs
+    def _queue_graphs(self, sig) -> None:
+        """A new item signature ran eagerly: queue its graphs (largest first), within bounds."""
+        self._graph_seen.add(sig)
+        if len(self._graphs) + len({s for s, _ in self._graph_todo}) >= MAX_GRAPH_SIGNATURES:
+            logger.info("%s: item shapes %s run eagerly (CUDA graphs are kept for at most %d item "
+                        "shapes per model process)", self.cfg.name, _describe(sig), MAX_GRAPH_SIGNATURES)
+            return
+        self._graph_todo += [(sig, n) for n in sorted(self._graph_sizes, reverse=True)]
+
+    @property
+    def graphs_pending(self) -> bool:
+        return bool(self._graph_todo)
+
+    def capture_step(self) -> None:
+        """Capture the next queued graph (the model process calls this while it holds no
+        requests). A failure is logged once and leaves that signature eager."""
+        sig, n = self._graph_todo.pop(0)
+        t0 = time.perf_counter()
+        try:
+            self._capture(sig, n)
+        except Exception as e:  # noqa: BLE001 - eager is always there to fall back on
+            self._graph_todo = [(s, m) for s, m in self._graph_todo if s != sig]
+            self._graphs.pop(sig, None)
+            torch.cuda.synchronize(self.device)
+            logger.warning("%s: CUDA graph capture failed for item shapes %s (%s: %s); running "
+                           "them eagerly", self.cfg.name, _describe(sig), type(e).__name__, e)
+            return
+        if not any(s == sig for s, _ in self._graph_todo):
+            logger.info("%s: CUDA graphs captured for item shapes %s, batch sizes %s (last in %.0f ms)",
+                        self.cfg.name, _describe(sig), sorted(self._graphs[sig]),
+                        (time.perf_counter() - t0) * 1e3)
+
     def capture_graphs(self, shapes, dtypes, sizes) -> None:
-        """Capture one CUDA graph per batch size in ``sizes`` (sharing one memory pool)."""
+        """Capture graphs for one item signature at once (at load time, from ``input_shapes``)."""
         if not self.cuda:
             return
+        sig = tuple((tuple(s), np.dtype(d)) for s, d in zip(shapes, dtypes))
+        self._graph_seen.add(sig)
         try:
-            self._capture(shapes, dtypes, sizes)
+            for n in sorted(sizes, reverse=True):
+                self._capture(sig, n)
         except BaseException:
-            self._graphs, self._graph_key = {}, None
+            self._graphs.pop(sig, None)
             torch.cuda.synchronize(self.device)
             raise
 
-    def _capture(self, shapes, dtypes, sizes) -> None:
-        pool = torch.cuda.graph_pool_handle()
+    def _capture(self, sig, n: int) -> None:
+        if self._graph_pool is None:
+            self._graph_pool = torch.cuda.graph_pool_handle()  # one pool: graphs replay in turn
         with torch.inference_mode():
-            for n in sorted(sizes, reverse=True):
-                inputs = [torch.zeros((n, *s), dtype=_torch_dtype(d), device=self.device)
-                          for s, d in zip(shapes, dtypes)]
+            inputs = [torch.zeros((n, *item), dtype=_torch_dtype(d), device=self.device)
+                      for item, d in sig]
 
-                def step():
-                    xs = [x.to(self.cast) if self.cast is not None and x.is_floating_point() else x
-                          for x in inputs]
-                    return self.model(*xs)
+            def step():
+                xs = [x.to(self.cast) if self.cast is not None and x.is_floating_point() else x
+                      for x in inputs]
+                return self.model(*xs)
 
-                side = torch.cuda.Stream(self.device)
-                side.wait_stream(torch.cuda.current_stream(self.device))
-                with torch.cuda.stream(side):
-                    for _ in range(3):
-                        step()
-                torch.cuda.current_stream(self.device).wait_stream(side)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    outs, is_tuple = _as_list(step())
-                self._graphs[n] = _Graph(graph, [x.reshape(-1).view(torch.uint8) for x in inputs],
-                                         inputs, outs, is_tuple)
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                for _ in range(3):
+                    step()
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._graph_pool):
+                outs, is_tuple = _as_list(step())
         torch.cuda.synchronize(self.device)
-        self._graph_key = tuple((tuple(s), np.dtype(d)) for s, d in zip(shapes, dtypes))
+        self._graphs.setdefault(sig, {})[n] = _Graph(
+            graph, [x.reshape(-1).view(torch.uint8) for x in inputs], inputs, outs, is_tuple)
 
     def warm_up(self, shapes: Sequence[Tuple[int, ...]], dtypes: Sequence[str], batch_sizes: Sequence[int]):
         """Run the model on zero batches so lazy initialisation (cuDNN plans, allocator pools,

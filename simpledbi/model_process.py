@@ -3,9 +3,9 @@
 Entry point :func:`model_process_main` is module-level so ``spawn`` can pickle it. The loop::
 
     sleep on the model's doorbell (timeout: poll_interval, to notice orphaning / stop)
-      -> scan the slot table's hints for PUBLISHED, unclaimed rows, oldest item-shape group first
+      -> scan the slot table's hints for PUBLISHED, unclaimed rows, oldest first
       -> claim each (rdy.trywait), read + validate its header privately (slots.Peer)
-      -> until batching.close_decision says close: wait on the doorbell for more
+      -> until batching.decide says close: wait on the doorbell for more (NOTE [adaptive batching])
       -> Engine: gather (preadv / DMA) -> forward -> outputs
       -> pwrite each requester's rows and response into its segment, don.post()
 
@@ -23,7 +23,8 @@ import signal
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from operator import attrgetter
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 import posix_ipc
@@ -41,9 +42,10 @@ from .slots import BadRequest, Limits, Peer, Request, claim_words, mark_answered
 logger = logging.getLogger(__name__)
 assert B_FIELDS == ("t_close", "rows", "requests", "queue_wait", "gather", "h2d", "forward", "d2h",
                     "scatter", "runtime", "t_end")  # the order _account writes a record in
-_C_REQUESTS, _C_BATCHES, _C_ROWS, _C_HEAD = (COUNTERS.fields[n][1] // 8 for n in
-                                             ("requests", "batches", "rows", "ring_head"))
-_BUSY_POLL = 0.0002  # seconds between device checks while collecting behind a running batch
+_C_REQUESTS, _C_BATCHES, _C_ROWS, _C_HEAD, _C_OVER = (
+    COUNTERS.fields[n][1] // 8 for n in ("requests", "batches", "rows", "ring_head", "over_target"))
+_BUSY_POLL = 0.0002
+_GRAPH_FORCE_AFTER = 1.0  # seconds without an idle moment before a CUDA graph is captured anyway  # seconds between device checks while collecting behind a running batch
 
 
 @dataclass(frozen=True)
@@ -81,6 +83,18 @@ def model_process_main(spec: ModelProcessSpec, conn) -> None:
 
 
 @dataclass
+class _Collecting:
+    """The batch being collected: its shape key, rows, row cap and oldest request."""
+
+    key: Optional[int] = None
+    rows: int = 0
+    limit: int = 0
+    oldest: float = float("inf")
+    waiting: int = 0      # rows of its shape seen pending that did not fit
+    leftover: bool = False   # pending requests left for another process (other shape, no room)
+
+
+@dataclass
 class _InFlight:
     batch: List[Request]
     t_close: float
@@ -109,7 +123,10 @@ class ModelServer:
         dev = self.engine.device
         inst["device"] = -1 if dev.type == "cpu" else (dev.index or 0)
         self.max_batch = int(cfg.max_batch_size)
-        self.wait_time = float(cfg.wait_time)
+        self.policy = batching.Policy(self.max_batch, float(cfg.wait_time), cfg.latency_target,
+                                      adaptive=cfg.batching == "adaptive")
+        self.costs = batching.CostModel()
+        self.arrivals = batching.RateMeter()
         dtypes = None
         if cfg.input_shapes and cfg.input_dtypes:
             dtypes = tuple(np.dtype(d) for d in cfg.input_dtypes)
@@ -118,13 +135,15 @@ class ModelServer:
         self.deferred: List[Request] = []      # claimed by me, not batched yet (other shape / no room)
         self._open: Dict[int, Request] = {}    # id -> every request claimed and not answered yet
         self.retired: set = set()              # replaced peers that still owe answers
-        self._failed: Dict[int, int] = {}      # slot -> seq hint whose claim failed: don't retry it
+        self._failed: Dict[int, Tuple[int, int]] = {}  # slot -> (token, seq) whose claim failed
         self.claim_seq, self.claim_token = self.ctl.claims["seq"], self.ctl.claims["token"]
         self.claim_done = self.ctl.claims["done"]
         self.claim_words = claim_words(self.ctl)
         self.counters = self.ctl.counters[self.me]
         self.count_words = self.ctl.counters.view(np.int64).reshape(self.ctl.model_num, -1)[self.me]
         self.fatal = False
+        self._rescan = True       # pending requests may be left from the last scan
+        self._graph_step_at = time.monotonic()
         self._launch_ema = 0.0    # host seconds to enqueue a forward pass (EMA)
         self._forward_ema = 0.0   # device seconds of a forward pass (EMA)
         if cfg.input_shapes:
@@ -163,6 +182,14 @@ class ModelServer:
             try:
                 if int(self.ctl.hdr["state"]) >= STOPPING:
                     break
+                if self.engine.graphs_pending and not self.deferred and \
+                        time.monotonic() - self._graph_step_at > _GRAPH_FORCE_AFTER:
+                    # Never idle: capture the next graph anyway, between two batches (it stalls
+                    # the requests this process would claim next for one capture).
+                    if inflight is not None:
+                        done, inflight = inflight, None
+                        self._complete(done)
+                    self._capture_step()
                 batch = self._collect(inflight.launched if inflight else None)
                 if batch:
                     nxt = self._stage(batch)  # copies in on the copy stream, behind nothing
@@ -184,8 +211,12 @@ class ModelServer:
                     done, inflight = inflight, None
                     self._complete(done)
                     continue
+                if self.engine.graphs_pending and not self.deferred:
+                    self._capture_step()  # idle: this process holds no request
+                    continue
                 try:
                     self.door.acquire(self.poll)
+                    self._rescan = True  # the ring this consumed is news for _collect
                 except posix_ipc.BusyError:
                     if not self._maintenance():
                         break
@@ -203,6 +234,10 @@ class ModelServer:
             except Exception:  # noqa: BLE001
                 logger.exception("%s finishing the last batch failed", self.tag)
         self._fail(list(self._open.values()), ST_STOPPED, "the model process is stopping")
+
+    def _capture_step(self) -> None:
+        self.engine.capture_step()
+        self._graph_step_at = time.monotonic()
 
     def close(self) -> None:
         for peer in list(self.peers.values()) + list(self.retired):
@@ -232,15 +267,19 @@ class ModelServer:
             if (state[slot] == 0 or token[slot] != peer.token) and not peer.inflight:
                 self._drop_peer(slot)
         self._failed.clear()  # a failed claim is not retried within one poll interval, no longer
+        self._rescan = True
         return True
 
     # ------------------------------------------------------------ claiming
-    def _drain_doorbell(self) -> None:
+    def _drain_doorbell(self) -> int:
+        """Take every pending ring of the doorbell; returns how many there were."""
+        n = 0
         try:
             while True:
                 self.door.acquire(0)
+                n += 1
         except posix_ipc.BusyError:
-            pass
+            return n
 
     def _drop_peer(self, slot: int) -> None:
         peer = self.peers.pop(slot, None)
@@ -275,20 +314,42 @@ class ModelServer:
         self.peers[slot] = new
         return new
 
-    def _pending(self) -> np.ndarray:
-        """Slots whose hints say: a request is published and nobody has claimed it."""
+    def _scan(self) -> Tuple[List[int], int]:
+        """One pass over the hints: the slots whose request is published and claimed by nobody
+        (not retried while their claim failed this interval), and how many attached clients could
+        send a request now -- those with none in flight (IDLE) and those whose answer is written
+        but not read yet (they are about to send again)."""
         t = self.table
-        pend = np.flatnonzero(t.state == PUBLISHED)
-        if pend.size:
-            seqs = t.seq[pend]
-            mine = (self.claim_seq[pend] == seqs) & (self.claim_token[pend] == t.token[pend])
-            pend = pend[~mine]
-            if self._failed and pend.size:
-                failed = self._failed
-                pend = np.array([s for s, k, q in zip(pend.tolist(), t.token[pend].tolist(),
-                                                      t.seq[pend].tolist())
-                                 if failed.get(s) != (k, q)], dtype=np.int64)
-        return pend
+        states = t.state
+        pub = np.flatnonzero(states == PUBLISHED)
+        may = int(np.count_nonzero(states == IDLE))
+        if not pub.size:
+            return [], may
+        failed = self._failed
+        if pub.size <= 16:  # the common case: a few numpy scalars beat a dozen vector operations
+            seq, tok = t.seq, t.token
+            c_seq, c_tok, c_done = self.claim_seq, self.claim_token, self.claim_done
+            out = []
+            for s in pub.tolist():
+                q, k = seq[s], tok[s]
+                if c_tok[s] == k:
+                    if c_done[s] == q:
+                        may += 1
+                    if c_seq[s] == q:
+                        continue
+                if failed and failed.get(s) == (int(k), int(q)):
+                    continue
+                out.append(s)
+            return out, may
+        seqs, toks = t.seq[pub], t.token[pub]
+        same = self.claim_token[pub] == toks
+        may += int(np.count_nonzero(same & (self.claim_done[pub] == seqs)))
+        keep = ~(same & (self.claim_seq[pub] == seqs))
+        out = pub[keep].tolist()
+        if failed:
+            out = [s for s, k, q in zip(out, toks[keep].tolist(), seqs[keep].tolist())
+                   if failed.get(s) != (k, q)]
+        return out, may
 
     def _claim(self, slot: int, now: float) -> Optional[Request]:
         t = self.table
@@ -318,104 +379,106 @@ class ModelServer:
             logger.warning("%s rejected a request of slot %d: %s", self.tag, peer.slot, text)
         peer.respond(seq, ST_BAD_REQUEST, text, claimer=self.me)
 
-    def _fill(self, batch: List[Request], state: dict) -> int:
-        """Add requests to ``batch``: first ones I already claimed (oldest first), then newly
-        published ones of the batch's item shape. Returns the rows added."""
-        added = 0
-        room = self.max_batch - state["rows"]
-        if self.deferred and room > 0:
-            self.deferred.sort(key=lambda r: r.t_publish)
-            if state["key"] is None:
-                state["key"] = self.deferred[0].key
+    def _take(self, batch: List[Request], c: _Collecting, req: Request) -> None:
+        if c.key is None:
+            c.key = req.key
+            c.limit = batching.row_limit(self.policy, self.costs.fit(req.key))
+        batch.append(req)
+        c.rows += req.rows
+        if req.t_publish < c.oldest:
+            c.oldest = req.t_publish
+
+    def _fill(self, batch: List[Request], c: _Collecting, pending: List[int]) -> None:
+        """Add requests to ``batch``: first ones I already claimed, then newly published ones of
+        the batch's item shape, oldest first. A request that does not fit stops the scan (it goes
+        first next time: nobody is overtaken for good)."""
+        c.waiting, c.leftover = 0, False
+        if self.deferred:
+            self.deferred.sort(key=attrgetter("t_publish"))
             keep = []
             for r in self.deferred:
-                if r.key == state["key"] and r.rows <= room - added:
-                    batch.append(r)
-                    added += r.rows
+                if c.key is None or (r.key == c.key and r.rows <= c.limit - c.rows):
+                    self._take(batch, c, r)
                 else:
                     keep.append(r)
+                    if r.key == c.key:
+                        c.waiting += r.rows
             self.deferred = keep
-        room -= added
-        if room <= 0:
-            return added
+        if not pending:
+            return
+        if c.rows >= c.limit > 0 or c.waiting:
+            c.leftover = True
+            return
         t = self.table
-        pend = self._pending()
-        now = time.monotonic()
-        while pend.size and room > 0:
-            if pend.size == 1:
-                order, target = pend, None
+        if len(pending) > 1:
+            if len(pending) > 32:
+                arr = np.asarray(pending)
+                pending = arr[np.argsort(t.t_publish[arr], kind="stable")].tolist()
             else:
-                keys = t.key[pend]
-                if state["key"] is None:
-                    target = keys[int(np.argmin(t.t_publish[pend]))]
-                    group = pend[keys == target]
-                else:
-                    target, group = None, pend
-                order = group[np.argsort(t.t_publish[group], kind="stable")] if group.size > 1 else group
-            got = 0
-            # rows hints are clipped: a lying hint must not block the requests behind it
-            hinted = np.minimum(np.maximum(t.nrows[order], 1), self.max_batch)
-            for slot in batching.take_fitting(order, hinted, room, indexed=False):
-                req = self._claim(slot, now)
-                if req is None:
+                pending = sorted(pending, key=t.t_publish.__getitem__)
+        keys, nrows = t.key, t.nrows
+        now = time.monotonic()
+        claimed = 0
+        for i, s in enumerate(pending):
+            if c.key is not None:
+                if keys[s] != c.key:
+                    c.leftover = True   # another shape, by its hint: a later batch (or a peer)
                     continue
-                if state["key"] is None:
-                    state["key"] = req.key
-                if req.key == state["key"] and req.rows <= room:
-                    batch.append(req)
-                    room -= req.rows
-                    added += req.rows
-                    got += 1
-                else:
-                    self.deferred.append(req)  # a hint that lied about its shape or size
-            if got or target is None:
+                # rows hints are clipped: a lying hint must not block the requests behind it
+                if min(max(int(nrows[s]), 1), self.max_batch) > c.limit - c.rows:
+                    c.waiting += 1
+                    c.leftover = True
+                    break
+            req = self._claim(s, now)
+            if req is None:
+                continue
+            claimed += req.rows
+            if c.key is None or (req.key == c.key and req.rows <= c.limit - c.rows):
+                self._take(batch, c, req)
+            else:
+                self.deferred.append(req)  # a hint that lied about its shape or size
+                c.waiting += req.key == c.key
+            if c.rows >= c.limit:
+                c.leftover = c.leftover or i + 1 < len(pending)
                 break
-            pend = pend[keys != target]  # that group's hints were stale: try the next group
-        return added
+        if claimed:
+            self.arrivals.add(claimed, now)
 
     def _collect(self, busy=None) -> List[Request]:
-        """Claim the next batch. ``busy`` is the launched batch still on the device, if any:
-        then the batch also closes as soon as the device is free (it would otherwise idle)."""
-        self._drain_doorbell()
+        """Claim the next batch. ``busy`` is the launched batch still on the device, if any: the
+        policy treats waiting as free until it is done (batching.decide)."""
+        if not self._drain_doorbell() and not self._rescan and not self.deferred:
+            return []  # every publish rings the doorbell after its row is written: nothing new
+        pending, may = self._scan()
         batch: List[Request] = []
-        state = {"key": None, "rows": 0}
-        state["rows"] += self._fill(batch, state)
+        c = _Collecting(limit=self.max_batch)
+        self._fill(batch, c, pending)
+        self._rescan = bool(pending) and not batch   # only failed claims: scan again next time
         if not batch:
             return []
-        oldest = min(r.t_publish for r in batch)
-        t = self.table
-        while True:
-            if state["rows"] >= self.max_batch:
+        policy, costs, arrivals = self.policy, self.costs, self.arrivals
+        while c.rows < c.limit:
+            now = time.monotonic()
+            snap = batching.Snapshot(c.rows, c.oldest, c.waiting, may,
+                                     busy is not None and not busy.ready())
+            close, wait = batching.decide(snap, now, costs.fit(c.key), arrivals.rate(now), policy,
+                                          c.limit)
+            if close:
                 break
-            more = self._may_send()
-            if more:  # ... unless a request of our shape is already waiting: it did not fit
-                pend = self._pending()
-                more = not (pend.size and bool(np.any(t.key[pend] == state["key"])))
-            close, wait = batching.close_decision(state["rows"], self.max_batch, oldest,
-                                                  time.monotonic(), self.wait_time, more)
-            if close or (busy is not None and busy.ready()):
-                break
-            if busy is not None:
+            if snap.device_busy:
                 wait = min(wait, _BUSY_POLL)  # check the device now and then while waiting
             try:
                 self.door.acquire(wait)
                 self._drain_doorbell()
             except posix_ipc.BusyError:
-                pass
-            state["rows"] += self._fill(batch, state)
-        if self.ctl.model_num > 1 and self._pending().size:
+                if not c.leftover:
+                    continue  # nothing was published meanwhile: decide again, without a scan
+            pending, may = self._scan()
+            self._fill(batch, c, pending)
+        self._rescan = c.leftover
+        if self.ctl.model_num > 1 and c.leftover:
             self.door.release()  # leftovers (other shapes, no room): wake a peer process
         return batch
-
-    def _may_send(self) -> bool:
-        """Could some attached client send a request now? Those with none in flight (IDLE), and
-        those whose answer is written but not read yet (they are about to send again)."""
-        t = self.table
-        states = t.state
-        if (states == IDLE).any():
-            return True
-        pub = states == PUBLISHED
-        return bool(np.any(pub & (self.claim_done == t.seq) & (self.claim_token == t.token)))
 
     # ------------------------------------------------------------ one batch
     def _gather(self, batch: List[Request]):
@@ -470,19 +533,33 @@ class ModelServer:
         else:
             self._answer(batch, result, t_close, total, short)
         t_end = time.monotonic()
+        if error is None:  # what this batch cost, for the batching policy
+            tm = result.times
+            self.costs.observe(batch[0].key, total, tm.h2d + tm.forward + tm.d2h if self.engine.cuda
+                               else t_end - t_close)
         self._account(batch, total, t_close, t_scatter, t_end, result, error is not None)
 
     def _answer(self, batch: List[Request], result, t_close: float, total: int, short=()) -> None:
+        """Write every answer first, then wake the callers: a woken caller often takes this CPU
+        at once, and should not delay the answers of the rest of its batch."""
         structure = OUT_TUPLE if result.is_tuple else OUT_TENSOR
         offset = 0
-        for i, r in enumerate(batch):
-            if i in short:
-                self._respond(r, ST_BAD_REQUEST, "the request's input could not be read in full "
-                              "(its slot's segment was truncated)", t_close=t_close, total=total)
-            else:
-                outs = [o[offset:offset + r.rows] for o in result.outputs]
-                self._respond(r, ST_OK, "", outs, structure, t_close, total)
-            offset += r.rows
+        todo = [r for r in batch if not r.answered]
+        try:
+            for i, r in enumerate(batch):
+                if i in short:
+                    self.counters["bad_requests"] += 1
+                    self._respond(r, ST_BAD_REQUEST, "the request's input could not be read in full "
+                                  "(its slot's segment was truncated)", t_close=t_close, total=total,
+                                  wake=False)
+                else:
+                    outs = [o[offset:offset + r.rows] for o in result.outputs]
+                    self._respond(r, ST_OK, "", outs, structure, t_close, total, wake=False)
+                offset += r.rows
+        finally:
+            for r in todo:
+                if r.answered:
+                    self._wake(r)
 
     def _on_failure(self, batch: List[Request], error: BaseException, t_close: float) -> None:
         """A batch failed: bisect it to find the requests that make the model fail (if isolation
@@ -532,19 +609,27 @@ class ModelServer:
                 self._respond(r, status, text)
 
     def _respond(self, r: Request, status: int, text: str = "", outs=(), structure: int = 0,
-                 t_close: float = 0.0, total: int = 0) -> None:
+                 t_close: float = 0.0, total: int = 0, wake: bool = True) -> None:
+        """Answer ``r`` (once); with ``wake=False`` the caller must call :meth:`_wake` after."""
         if r.answered:
             return
         r.answered = True
         self._open.pop(id(r), None)
-        r.peer.inflight -= 1
         try:
-            r.peer.respond(r.seq, status, text, outs, r.out_offset, structure, self.me, t_close, total)
+            r.peer.respond(r.seq, status, text, outs, r.out_offset, structure, self.me, t_close, total,
+                           wake=False)
             mark_answered(self.claim_words, r.slot, r.seq)
         except Exception:  # noqa: BLE001 - a closed peer: its client is gone
             logger.debug("%s answering slot %d failed", self.tag, r.slot, exc_info=True)
-        if r.peer in self.retired and not r.peer.inflight:
-            self._close_peer(r.peer)
+        if wake:
+            self._wake(r)
+
+    def _wake(self, r: Request) -> None:
+        peer = r.peer
+        peer.wake()
+        peer.inflight -= 1
+        if not peer.inflight and peer in self.retired:
+            self._close_peer(peer)
 
     def _account(self, batch, total, t_close, t_scatter, t_end, result, failed) -> None:
         c = self.count_words  # int64 words of this instance's COUNTERS record
@@ -563,6 +648,11 @@ class ModelServer:
             times.h2d if times else 0.0, times.forward if times else 0.0,
             times.d2h if times else 0.0, t_end - t_scatter, own + (t_end - t_scatter), t_end)
         c[_C_HEAD] = head + 1
+        target = self.policy.latency_target
+        if target is not None:
+            late = sum(1 for r in batch if t_end - r.t_publish > target)
+            if late:
+                c[_C_OVER] += late
 
 
 def _check_outputs(outputs, total: int) -> None:

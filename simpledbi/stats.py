@@ -52,6 +52,8 @@ def summarize(ctl) -> dict:
         "errors": int(c["errors"].sum()),
         "isolated_batches": int(c["isolated"].sum()),
         "bad_requests": int(c["bad_requests"].sum()),
+        # answered later than ModelConfig.latency_target (0 when no target is set)
+        "over_target": int(c["over_target"].sum()),
         "restarts": int(ctl.instances["restarts"].sum()),
         "mean_batch_size": rows / batches if batches else 0.0,
         "mean_requests_per_batch": requests / batches if batches else 0.0,

@@ -26,9 +26,11 @@ def ok(**kw):
     (dict(gather="magic"), ValueError, "gather"),
     (dict(input_shapes=[(3, 0)]), ValueError, "input_shapes"),
     (dict(input_shapes=[(3,)], input_dtypes=["float32", "int64"]), ValueError, "one dtype per entry"),
-    (dict(cuda_graphs=True), ValueError, "needs input_shapes"),
     (dict(max_clients=0), ValueError, "max_clients"),
     (dict(cuda_graphs="sometimes"), ValueError, "cuda_graphs"),
+    (dict(latency_target=0), ValueError, "latency_target: expected 0 < seconds"),
+    (dict(latency_target="fast"), TypeError, "latency_target: expected seconds"),
+    (dict(batching="greedy"), ValueError, "batching: expected 'adaptive' or 'fixed', got 'greedy'"),
 ])
 def test_bad_model_config(kw, exc, words):
     with pytest.raises(exc, match=None) as info:
@@ -42,10 +44,11 @@ def test_good_model_config_normalises():
     assert cfg.device_of(0) == "cuda:0" and cfg.device_of(1) == "cuda:1" and cfg.device_of(2) == "cuda:0"
     assert cfg.input_shapes == ((3, 4),) and isinstance(cfg.wait_time, float)
     assert cfg.cuda_graphs == (1, 2, 4, 6, 8, 10, 12, 14, 16)
-    # the default captures on CUDA when item shapes are known, and never without them
+    # the default captures small batches on CUDA, for the item shapes given or (lazily) those that arrive
     assert ok(input_shapes=[(3,)], max_batch_size=1).graph_batch_sizes() == (1,)
     assert ok(input_shapes=[(3,)], max_batch_size=4).graph_batch_sizes() == (1, 2, 3, 4)
-    assert ok().graph_batch_sizes() == ()
+    assert ok().graph_batch_sizes() == (1, 2, 4, 8)
+    assert ok(cuda_graphs=False).graph_batch_sizes() == ()
     assert ok(input_shapes=[(3,)], max_batch_size=32).graph_batch_sizes() == (1, 2, 4, 8)
     assert ok(input_shapes=[(3,)], cuda_graphs=False).graph_batch_sizes() == ()
 
