@@ -54,6 +54,11 @@ class BenchSpec:
     cuda_graphs: str = "auto"   # auto | on | off (ModelConfig.cuda_graphs)
     arrival_rate: float = 0.0   # requests/s over all workers, Poisson; 0 = closed loop
     seed: int = 0
+    # The README's configuration leaves these at their defaults; the variants set them.
+    input_shapes: bool = False  # declare the input (warm-up and graph capture at load time)
+    batching: str = "adaptive"  # ModelConfig.batching: adaptive | fixed
+    latency_target: float = 0.0  # ModelConfig.latency_target in seconds; 0 = none
+    mps: str = "auto"           # RuntimeOptions.mps: the runtime manages CUDA MPS itself
 
 
 # ---------------------------------------------------------------- start line for all workers
@@ -173,11 +178,21 @@ def plain_worker(rank: int, spec: BenchSpec, start_prefix: str, conn) -> None:
 
 
 def _model_config(spec: BenchSpec) -> ModelConfig:
+    declared = dict(input_shapes=[(3, spec.image_size, spec.image_size)],
+                    input_dtypes=[spec.dtype]) if spec.input_shapes else {}
     return ModelConfig(name="model", path=spec.model_path, max_batch_size=spec.max_batch_size,
                        model_num=spec.model_num, wait_time=spec.wait_time, device=spec.device,
-                       input_shapes=[(3, spec.image_size, spec.image_size)], input_dtypes=[spec.dtype],
-                       precision=spec.dtype, gather=spec.gather, cuda_graphs={"on": True, "off": False}.get(spec.cuda_graphs, "auto"),
-                       max_clients=max(64, spec.worker_num + 8))
+                       precision=spec.dtype, gather=spec.gather,
+                       cuda_graphs={"on": True, "off": False}.get(spec.cuda_graphs, "auto"),
+                       batching=spec.batching, latency_target=spec.latency_target or None,
+                       max_clients=max(64, spec.worker_num + 8), **declared)
+
+
+def _runtime_options(spec: BenchSpec) -> RuntimeOptions:
+    try:
+        return RuntimeOptions(mps=spec.mps)
+    except TypeError:  # a runtime without managed MPS
+        return RuntimeOptions()
 
 
 # ---------------------------------------------------------------- running one configuration
@@ -206,15 +221,16 @@ def run_config(spec: BenchSpec, quiet: bool = False) -> dict:
     threading.Thread(target=_progress, args=(t_go_box, spec, done, quiet), daemon=True).start()
     releaser = threading.Thread(target=lambda: t_go_box.append(start.release_all(spec.worker_num)),
                                 daemon=True)
-    records = None
+    records = runtime_stats = None
     try:
         if spec.dynamic_batch:
             from simpledbi.runtime import Runtime
-            with Runtime([_model_config(spec)], RuntimeOptions()) as rt:
+            with Runtime([_model_config(spec)], _runtime_options(spec)) as rt:
                 releaser.start()
                 results = rt.run_workers(dynamic_worker, spec.worker_num, (spec, start.prefix))
-                from simpledbi.stats import batch_records
+                from simpledbi.stats import batch_records, summarize
                 records = batch_records(rt.ctls["model"])
+                runtime_stats = dict(summarize(rt.ctls["model"]), mps=str(getattr(rt, "mps", "")))
         else:
             releaser.start()
             results = _run_plain(spec, start.prefix)
@@ -222,7 +238,10 @@ def run_config(spec: BenchSpec, quiet: bool = False) -> dict:
         done.set()
         start.close()
     releaser.join(5)
-    return analyse(spec, t_go_box[0], results, records)
+    out = analyse(spec, t_go_box[0], results, records)
+    if runtime_stats is not None:
+        out["runtime_stats"] = runtime_stats
+    return out
 
 
 def _run_plain(spec: BenchSpec, prefix: str):

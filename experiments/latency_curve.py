@@ -1,7 +1,12 @@
-"""Latency against offered load: open-loop Poisson arrivals of single images, for dynamic batching
-and for plain PyTorch (one process per worker, batch 1), under CUDA MPS. Writes JSON and a PNG.
+"""Latency against offered load (open loop, Poisson arrivals of single images).
 
-    python experiments/latency_curve.py --out docs/curve --rates 500,1000,2000,4000,6000
+    python experiments/latency_curve.py --out docs/results/curve --fractions 0.05,0.25,0.5,0.75,0.9,1.2
+
+First measures plain PyTorch's batch-1 saturation (closed loop, ``--plain_workers`` processes,
+under a private MPS daemon), then offers loads at those fractions of it to: plain PyTorch batch 1
+with ``--plain_workers`` and with ``--plain_workers_b`` processes (under MPS), and simpledbi (128
+workers, max batch 32, 3 model processes, wait_time 0.01, MPS managed by the runtime) with the
+old fixed-wait policy and with the adaptive one. Writes JSON and, with matplotlib, a PNG.
 """
 from __future__ import annotations
 
@@ -18,46 +23,74 @@ import benchmark  # noqa: E402
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", default="curve")
-    ap.add_argument("--rates", default="500,1000,2000,3000,4000,5000,6000")
-    benchmark.add_experiment_args(ap, duration=4.0, warmup=1.5)
+    ap.add_argument("--fractions", default="0.05,0.25,0.5,0.75,0.9,1.2")
+    benchmark.add_experiment_args(ap, duration=4.0, warmup=2.0)
     ap.add_argument("--dynamic_workers", type=int, default=128)
     ap.add_argument("--plain_workers", type=int, default=16)
-    ap.add_argument("--no-mps", dest="mps", action="store_false")
+    ap.add_argument("--plain_workers_b", type=int, default=4)
+    ap.add_argument("--modes", default="plain,plain_b,fixed,adaptive")
     a = ap.parse_args()
     path = benchmark.ensure_model(a.model_path, a.tiny)
     common = dict(model_path=path, duration=a.duration, warmup=a.warmup, device=a.device,
                   image_size=64 if a.tiny else 224)
-    rows = []
-    with benchmark.mps_daemon(a.mps):
-        for rate in [float(r) for r in a.rates.split(",")]:
-            for mode, spec in (
-                    ("dynamic", benchmark.BenchSpec(worker_num=a.dynamic_workers, max_batch_size=32,
-                                                    model_num=3, wait_time=0.005, arrival_rate=rate, **common)),
-                    ("plain", benchmark.BenchSpec(worker_num=a.plain_workers, dynamic_batch=False,
-                                                  arrival_rate=rate, **common))):
+    with benchmark.mps_daemon(True):
+        sat = benchmark.run_config(benchmark.BenchSpec(worker_num=a.plain_workers, dynamic_batch=False,
+                                                       **common), quiet=True)
+    saturation = sat["throughput"]
+    print(f"plain PyTorch batch 1 x {a.plain_workers} processes saturates at {saturation:.0f} img/s "
+          f"(p50 {sat['latency_ms']['p50']:.2f} ms)", flush=True)
+    specs = {
+        "plain": lambda rate: benchmark.BenchSpec(worker_num=a.plain_workers, dynamic_batch=False,
+                                                  arrival_rate=rate, **common),
+        "plain_b": lambda rate: benchmark.BenchSpec(worker_num=a.plain_workers_b, dynamic_batch=False,
+                                                    arrival_rate=rate, **common),
+        "fixed": lambda rate: benchmark.BenchSpec(worker_num=a.dynamic_workers, max_batch_size=32, model_num=3,
+                                                  wait_time=0.01, batching="fixed", arrival_rate=rate, **common),
+        "adaptive": lambda rate: benchmark.BenchSpec(worker_num=a.dynamic_workers, max_batch_size=32,
+                                                     model_num=3, wait_time=0.01, arrival_rate=rate, **common),
+    }
+    rows = [{"mode": "saturation", "throughput": saturation, "latency_ms": sat["latency_ms"]}]
+    for frac in [float(f) for f in a.fractions.split(",")]:
+        rate = frac * saturation
+        for mode in a.modes.split(","):
+            spec = specs[mode](rate)
+            with benchmark.mps_daemon(mode.startswith("plain")):
                 r = benchmark.run_config(spec, quiet=True)
-                rows.append({"mode": mode, "offered": rate, "throughput": r["throughput"],
-                             "latency_ms": r["latency_ms"], "mean_batch_size": r.get("mean_batch_size")})
-                print(f"{mode:8s} offered {rate:7.0f}/s  served {r['throughput']:7.0f}/s  "
-                      f"p50 {r['latency_ms']['p50']:8.2f} ms  p99 {r['latency_ms']['p99']:8.2f} ms", flush=True)
+            rows.append({"mode": mode, "fraction": frac, "offered": rate, "throughput": r["throughput"],
+                         "latency_ms": r["latency_ms"], "mean_batch_size": r.get("mean_batch_size")})
+            print(f"{mode:9s} {frac:4.2f} x sat = {rate:7.0f}/s  served {r['throughput']:7.0f}/s  "
+                  f"p50 {r['latency_ms']['p50']:8.2f} ms  p99 {r['latency_ms']['p99']:8.2f} ms  "
+                  f"batch {r.get('mean_batch_size') or 1:.2f}", flush=True)
     with open(a.out + ".json", "w") as f:
-        json.dump(rows, f, indent=2)
+        json.dump({"plain_workers": a.plain_workers, "plain_workers_b": a.plain_workers_b,
+                   "dynamic_workers": a.dynamic_workers, "rows": rows}, f, indent=2)
+    try:
+        plot(rows, a, a.out + ".png")
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install -e .[bench])")
+
+
+def plot(rows, a, path):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(8, 5))
-    for mode, label in (("dynamic", f"simpledbi, {a.dynamic_workers} workers, max batch 32, 3 procs"),
-                        ("plain", f"plain PyTorch, {a.plain_workers} processes, batch 1")):
+    labels = {"plain": f"plain PyTorch, batch 1, {a.plain_workers} processes",
+              "plain_b": f"plain PyTorch, batch 1, {a.plain_workers_b} processes",
+              "fixed": "simpledbi, fixed wait (0.1 policy)", "adaptive": "simpledbi, adaptive (default)"}
+    for mode, label in labels.items():
         sel = [r for r in rows if r["mode"] == mode]
+        if not sel:
+            continue
         for q, style in (("p50", "-o"), ("p99", "--x")):
             ax.plot([r["offered"] for r in sel], [r["latency_ms"][q] for r in sel], style, label=f"{label} {q}")
     ax.set_yscale("log")
     ax.set_xlabel("offered load, images/s (Poisson)")
     ax.set_ylabel("latency, ms (from arrival)")
     ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(a.out + ".png", dpi=110)
+    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":

@@ -388,6 +388,10 @@ class Engine:
         self._graph_todo += [(sig, n) for n in sorted(self._graph_sizes, reverse=True)]
 
     @property
+    def graph_count(self) -> int:
+        return sum(len(g) for g in self._graphs.values())
+
+    @property
     def graphs_pending(self) -> bool:
         return bool(self._graph_todo)
 

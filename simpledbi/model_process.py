@@ -159,6 +159,7 @@ class ModelServer:
                     logger.warning("%s CUDA graph capture failed; running eagerly", self.tag,
                                    exc_info=True)
         self._last_maintenance = time.monotonic()
+        inst["graphs"] = self.engine.graph_count
         inst["state"] = INST_READY
 
     # ------------------------------------------------------------ main loop
@@ -238,6 +239,7 @@ class ModelServer:
     def _capture_step(self) -> None:
         self.engine.capture_step()
         self._graph_step_at = time.monotonic()
+        self.ctl.instances[self.me]["graphs"] = self.engine.graph_count
 
     def close(self) -> None:
         for peer in list(self.peers.values()) + list(self.retired):

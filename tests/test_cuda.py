@@ -65,3 +65,39 @@ def test_auto_cuda_graphs_fall_back_to_eager_when_capture_fails(start_runtime):
     with SharedModel("sync", max_shape=(2, 3), namespace=rt.namespace) as model:
         x = np.ones((2, 3), np.float32)
         np.testing.assert_array_equal(model.forward(x), x * 2 + 1)
+
+
+def _wait_for(cond, timeout=60.0):
+    import time
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.05)  # polling a condition, with a deadline
+
+
+def test_cuda_graphs_are_captured_for_the_shapes_that_arrive(start_runtime):
+    """No input_shapes: the first batches of an item shape run eagerly, graphs for it are
+    captured while the process is idle, and later batches replay them with the same answers."""
+    rt = start_runtime(ModelConfig(name="affine", factory=models.affine, max_batch_size=8,
+                                   device="cuda"))
+    with SharedModel("affine", max_shape=(3, 4), namespace=rt.namespace) as model:
+        rng = np.random.default_rng(3)
+        x = rng.standard_normal((2, 4)).astype(np.float32)
+        np.testing.assert_array_equal(model.forward(x), x * 2 + 1)
+        _wait_for(lambda: model.stats()["cuda_graphs"] >= 4)     # 1, 2, 4, 8 rows
+        for _ in range(50):
+            x = rng.standard_normal((int(rng.integers(1, 4)), 4)).astype(np.float32)
+            np.testing.assert_array_equal(model.forward(x), x * 2 + 1)
+        x = np.ones((1, 3), np.float32)                          # a second item shape
+        np.testing.assert_array_equal(model.forward(x), x * 2 + 1)
+        _wait_for(lambda: model.stats()["cuda_graphs"] >= 8)
+        np.testing.assert_array_equal(model.forward(x), x * 2 + 1)
+
+
+def test_lazy_cuda_graph_capture_that_fails_leaves_the_shape_eager(start_runtime):
+    rt = start_runtime(ModelConfig(name="sync", factory=models.syncing, max_batch_size=4, device="cuda"))
+    with SharedModel("sync", max_shape=(2, 3), namespace=rt.namespace) as model:
+        x = np.ones((2, 3), np.float32)
+        for _ in range(20):
+            np.testing.assert_array_equal(model.forward(x), x * 2 + 1)
+        assert model.stats()["cuda_graphs"] == 0 and model.stats()["restarts"] == 0
