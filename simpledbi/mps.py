@@ -90,10 +90,11 @@ def wanted(mode: str, models: Sequence) -> Optional[str]:
     return ", ".join(shared) or None
 
 
-def foreign_daemon(environ=None, system_pipe_dir: str = SYSTEM_PIPE_DIR) -> Optional[str]:
+def foreign_daemon(environ=None, system_pipe_dir: Optional[str] = None) -> Optional[str]:
     """Why an MPS daemon that is not ours already serves this environment, or None. Its clients
     would be our model processes too, so a second daemon would only compete with it."""
     environ = os.environ if environ is None else environ
+    system_pipe_dir = SYSTEM_PIPE_DIR if system_pipe_dir is None else system_pipe_dir
     if environ.get(PIPE_VAR):
         return f"{PIPE_VAR}={environ[PIPE_VAR]} is already set"
     control = os.path.join(system_pipe_dir, "control")
