@@ -104,19 +104,16 @@ def foreign_daemon(environ=None, system_pipe_dir: Optional[str] = None) -> Optio
 
 
 def _stale(pipe_dir: str) -> bool:
-    """The control socket outlives its daemon: stale only when the daemon's pid file names a dead
-    process. Without a readable pid file we cannot tell, and assume the daemon runs."""
+    """The control socket outlives its daemon; the daemon's pid file does not (seen with driver
+    580: `quit` removes the pid file and leaves ``control``). Running = the pid file names a live
+    process (one of another user counts: kill() answers EPERM)."""
     try:
         with open(os.path.join(pipe_dir, "nvidia-cuda-mps-control.pid")) as f:
-            pid = int(f.read().strip())
-    except (OSError, ValueError):
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
+            os.kill(int(f.read().strip()), 0)
     except PermissionError:
-        pass
+        return False
+    except (OSError, ValueError):
+        return True
     return False
 
 

@@ -213,14 +213,15 @@ def test_a_daemon_that_is_not_ours_is_recognised(tmp_path):
     assert mps.foreign_daemon({}, str(system)) is None
     system.mkdir()
     (system / "control").touch()
-    assert "a system MPS daemon is running" in mps.foreign_daemon({}, str(system))  # no pid file
     pid_file = system / "nvidia-cuda-mps-control.pid"
     pid_file.write_text(str(os.getpid()))
-    assert mps.foreign_daemon({}, str(system)) is not None                        # alive
+    assert "a system MPS daemon is running" in mps.foreign_daemon({}, str(system))  # alive
     dead = subprocess.Popen([sys.executable, "-c", ""])
     dead.wait(30)
     pid_file.write_text(str(dead.pid))
-    assert mps.foreign_daemon({}, str(system)) is None                            # stale socket
+    assert mps.foreign_daemon({}, str(system)) is None       # a socket left by a daemon that died
+    pid_file.unlink()
+    assert mps.foreign_daemon({}, str(system)) is None       # ... or quit (which removes its pid file)
 
 
 # ---------------------------------------------------------------- a managed daemon
