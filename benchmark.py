@@ -18,9 +18,7 @@ import json
 import multiprocessing as mp
 import os
 import shutil
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass
@@ -32,6 +30,7 @@ import posix_ipc
 from simpledbi import ModelConfig, RuntimeOptions, SharedModel
 from simpledbi.shm import Segment, new_namespace
 from simpledbi.layout import B_FIELDS
+from simpledbi.mps import CONTROL, PrivateDaemon
 from simpledbi.stats import STAGES
 
 
@@ -188,13 +187,6 @@ def _model_config(spec: BenchSpec) -> ModelConfig:
                        max_clients=max(64, spec.worker_num + 8), **declared)
 
 
-def _runtime_options(spec: BenchSpec) -> RuntimeOptions:
-    try:
-        return RuntimeOptions(mps=spec.mps)
-    except TypeError:  # a runtime without managed MPS
-        return RuntimeOptions()
-
-
 # ---------------------------------------------------------------- running one configuration
 def _progress(t_go_box, spec: BenchSpec, done: threading.Event, quiet: bool):
     while not done.wait(1.0):
@@ -225,12 +217,14 @@ def run_config(spec: BenchSpec, quiet: bool = False) -> dict:
     try:
         if spec.dynamic_batch:
             from simpledbi.runtime import Runtime
-            with Runtime([_model_config(spec)], _runtime_options(spec)) as rt:
+            # The runtime manages MPS as a user gets it (spec.mps="auto"); inside mps_daemon()
+            # it finds that daemon in the environment and uses it instead.
+            with Runtime([_model_config(spec)], RuntimeOptions(mps=spec.mps)) as rt:
                 releaser.start()
                 results = rt.run_workers(dynamic_worker, spec.worker_num, (spec, start.prefix))
                 from simpledbi.stats import batch_records, summarize
                 records = batch_records(rt.ctls["model"])
-                runtime_stats = dict(summarize(rt.ctls["model"]), mps=str(getattr(rt, "mps", "")))
+                runtime_stats = dict(summarize(rt.ctls["model"]), mps=rt.mps.state, mps_reason=rt.mps.reason)
         else:
             releaser.start()
             results = _run_plain(spec, start.prefix)
@@ -308,31 +302,27 @@ def analyse(spec: BenchSpec, t_go: float, results, records) -> dict:
 # ---------------------------------------------------------------- CUDA MPS
 @contextlib.contextmanager
 def mps_daemon(enabled: bool):
-    """Start a private CUDA MPS control daemon for the run and always quit it afterwards."""
+    """Run the block under a private CUDA MPS daemon, plain PyTorch workers and model processes
+    alike (the variables go into this script's os.environ, which both inherit); always stop it."""
     if not enabled:
         yield None
         return
-    control = shutil.which("nvidia-cuda-mps-control")
+    control = shutil.which(CONTROL)
     if control is None:
-        raise RuntimeError("--mps: nvidia-cuda-mps-control is not on PATH")
-    root = tempfile.mkdtemp(prefix="sdbi_mps_")
-    env = dict(os.environ, CUDA_MPS_PIPE_DIRECTORY=os.path.join(root, "pipe"),
-               CUDA_MPS_LOG_DIRECTORY=os.path.join(root, "log"))
-    os.makedirs(env["CUDA_MPS_PIPE_DIRECTORY"])
-    os.makedirs(env["CUDA_MPS_LOG_DIRECTORY"])
-    subprocess.run([control, "-d"], env=env, check=True)
-    saved = {k: os.environ.get(k) for k in ("CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY")}
-    os.environ.update({k: env[k] for k in saved})
+        raise RuntimeError(f"--mps: {CONTROL} is not on PATH")
+    daemon = PrivateDaemon.create(control)
+    saved = {k: os.environ.get(k) for k in daemon.env}
     try:
-        yield root
+        daemon.start(timeout=30)
+        os.environ.update(daemon.env)
+        yield daemon.directory
     finally:
-        subprocess.run([control], input=b"quit\n", env=env, timeout=60)
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-        shutil.rmtree(root, ignore_errors=True)
+        daemon.stop(timeout=60)
 
 
 # ---------------------------------------------------------------- report

@@ -61,9 +61,9 @@ def main():
             print(f"{mode:9s} {frac:4.2f} x sat = {rate:7.0f}/s  served {r['throughput']:7.0f}/s  "
                   f"p50 {r['latency_ms']['p50']:8.2f} ms  p99 {r['latency_ms']['p99']:8.2f} ms  "
                   f"batch {r.get('mean_batch_size') or 1:.2f}", flush=True)
-    with open(a.out + ".json", "w") as f:
-        json.dump({"plain_workers": a.plain_workers, "plain_workers_b": a.plain_workers_b,
-                   "dynamic_workers": a.dynamic_workers, "rows": rows}, f, indent=2)
+            with open(a.out + ".json", "w") as f:  # after every point: a cut-short run keeps them
+                json.dump({"plain_workers": a.plain_workers, "plain_workers_b": a.plain_workers_b,
+                           "dynamic_workers": a.dynamic_workers, "rows": rows}, f, indent=2)
     try:
         plot(rows, a, a.out + ".png")
     except ImportError:

@@ -43,8 +43,8 @@ def main():
                   f"p50 {r['latency_ms']['p50']:7.2f}  p99 {r['latency_ms']['p99']:7.2f} ms  "
                   f"batch {r.get('mean_batch_size') or 0:5.2f}  over target {rs.get('over_target')}"
                   f"/{rs.get('requests')}", flush=True)
-    with open(a.out + ".json", "w") as f:
-        json.dump({"target_s": a.target, "rows": rows}, f, indent=2)
+            with open(a.out + ".json", "w") as f:  # after every point: a cut-short run keeps them
+                json.dump({"target_s": a.target, "rows": rows}, f, indent=2)
     try:
         import matplotlib
         matplotlib.use("Agg")

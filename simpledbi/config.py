@@ -15,6 +15,7 @@ __all__ = ["ModelConfig", "RuntimeOptions"]
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_\-]{0,47}$")
 _PRECISIONS = ("float32", "float16", "bfloat16")
 _GATHER_MODES = ("auto", "host", "device")
+_MPS_MODES = ("auto", "on", "off")
 _AUTO_GRAPH_MAX_ROWS = 8
 
 
@@ -211,9 +212,15 @@ class RuntimeOptions:
 
     poll_interval: float = 0.5
     join_timeout: float = 10.0
+    #: CUDA MPS: "auto" starts a private MPS control daemon when two or more model processes share
+    #: a CUDA device, "on" always (an error if it cannot be started), "off" never (mps.py).
+    mps: str = "auto"
 
     def __post_init__(self):
         _check_type("poll_interval", self.poll_interval, (int, float), "seconds")
         if not 0.001 <= self.poll_interval <= 60:
             raise ValueError(f"poll_interval: expected 0.001..60 s, got {self.poll_interval}")
         _check_type("join_timeout", self.join_timeout, (int, float), "seconds")
+        _check_type("mps", self.mps, str, f"one of {_MPS_MODES}")
+        if self.mps not in _MPS_MODES:
+            raise ValueError(f"mps: expected one of {_MPS_MODES}, got {self.mps!r}")

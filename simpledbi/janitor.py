@@ -4,8 +4,9 @@ The main process (``Run``) holds one end of a pipe; the janitor blocks reading t
 Normal shutdown sends ``("done",)``. If the main process is SIGKILLed the read returns EOF:
 the janitor then stops the workers (SIGTERM), gives model processes ``grace`` seconds to
 notice the orphaning and exit cleanly (a CUDA MPS client should not be killed mid-kernel), kills
-what is left and removes every segment and semaphore of the run's namespace. Same idea as
-CPython's ``resource_tracker``, scoped to one run.
+what is left, then stops the run's private MPS daemon (once its clients are gone) and removes
+every segment and semaphore of the run's namespace. Same idea as CPython's ``resource_tracker``,
+scoped to one run.
 """
 from __future__ import annotations
 
@@ -14,12 +15,13 @@ import select
 import signal
 import time
 
+from .mps import PrivateDaemon
 from .shm import sweep_namespace
 
 
 def janitor_main(namespace: str, conn, grace: float) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    workers, models = set(), set()
+    workers, models, daemons = set(), set(), []
     orphaned = False
     while True:
         try:
@@ -32,6 +34,8 @@ def janitor_main(namespace: str, conn, grace: float) -> None:
             workers.add(msg[1])
         elif kind == "model":
             models.add(msg[1])
+        elif kind == "mps":  # announced before it starts: (control binary, private directory)
+            daemons.append(PrivateDaemon(msg[1], msg[2]))
         elif kind == "gone":  # a model process that died and was replaced
             models.discard(msg[1])
         elif kind == "done":
@@ -43,6 +47,8 @@ def janitor_main(namespace: str, conn, grace: float) -> None:
         for pid in models | workers:
             _signal(pid, signal.SIGKILL)
         _wait_all(models | workers, 5.0)
+        for daemon in daemons:
+            daemon.stop(grace)
     sweep_namespace(namespace)
 
 

@@ -22,7 +22,7 @@ import os
 import signal
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import Dict, List, Optional, Tuple
 
@@ -58,10 +58,13 @@ class ModelProcessSpec:
     options: RuntimeOptions
     parent_pid: int
     cpu_model_procs: int = 1
+    #: Variables for this process only: the runtime's private CUDA MPS daemon (mps.py).
+    env: Dict[str, str] = field(default_factory=dict)
 
 
 def model_process_main(spec: ModelProcessSpec, conn) -> None:
     """Child entry point. Reports ("ready", info) or ("failed", ...) on ``conn``."""
+    os.environ.update(spec.env)  # first: the CUDA driver reads CUDA_MPS_* once, when it initialises
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when to stop
     faulthandler.enable()
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>` dumps stacks

@@ -4,6 +4,7 @@ Process tree of one run::
 
     main (Run / Runtime)                 supervisor thread: restarts, reaping (this module)
      +-- janitor                        cleans /dev/shm if main dies (janitor.py)
+     +-- (nvidia-cuda-mps-control -d)   a private CUDA MPS daemon, when wanted (mps.py)
      +-- model "a" instance 0..n-1       model_process.py
      +-- model "b" instance 0..m-1
      +-- worker 0..worker_num-1          worker.py -> your target(rank, *args, **kwargs)
@@ -32,6 +33,7 @@ import time
 from multiprocessing.connection import wait
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
+from . import mps
 from .config import ModelConfig, RuntimeOptions
 from .errors import ModelError, ModelProcessDied, WorkerError
 from .janitor import janitor_main
@@ -98,6 +100,9 @@ class Runtime:
         self._janitor = None
         self._janitor_conn = None
         self._janitor_lock = threading.Lock()
+        #: What was done about CUDA MPS: managed (a private daemon), skipped (and why) or off.
+        self.mps = mps.MpsStatus("off", "the runtime has not started")
+        self._mps_daemon: Optional[mps.PrivateDaemon] = None
         self._supervisor: Optional[threading.Thread] = None
         self._stop = threading.Event()
         self._wake_r, self._wake_w = None, None
@@ -120,6 +125,7 @@ class Runtime:
             sweep_dead_namespaces()
             self.namespace = new_namespace()
             self._start_janitor()
+            self.mps = mps.start_for(self.options.mps, self.models, self._adopt_mps_daemon)
             for cfg in self.models:
                 size = ControlBlock.size(cfg.max_clients, cfg.model_num) + SlotTable.size(cfg.max_clients)
                 check_free_space(size, f"model {cfg.name!r}")
@@ -159,6 +165,11 @@ class Runtime:
             child_end.close()
         self._janitor, self._janitor_conn = janitor, parent_end  # only once it runs
 
+    def _adopt_mps_daemon(self, daemon: mps.PrivateDaemon) -> None:
+        """Before the daemon starts: shutdown and the janitor must stop it whatever happens next."""
+        self._mps_daemon = daemon
+        self._tell_janitor("mps", daemon.control, daemon.directory)
+
     def _tell_janitor(self, *msg) -> None:
         with self._janitor_lock:
             if self._janitor_conn is not None:
@@ -169,7 +180,8 @@ class Runtime:
 
     def _spawn_model(self, cfg: ModelConfig, instance: int) -> _ModelProc:
         parent_end, child_end = self.ctx.Pipe(duplex=False)
-        spec = ModelProcessSpec(self.namespace, cfg, instance, self.options, os.getpid(), self._cpu_procs)
+        spec = ModelProcessSpec(self.namespace, cfg, instance, self.options, os.getpid(), self._cpu_procs,
+                                self.mps.env)
         proc = self.ctx.Process(target=model_process_main, args=(spec, child_end),
                                 name=f"simpledbi-{cfg.name}-{instance}", daemon=False)
         proc.start()
@@ -434,6 +446,8 @@ class Runtime:
                     os.close(fd)
             if self.namespace is not None:
                 sweep_namespace(self.namespace)
+            if self._mps_daemon is not None:  # its clients, the model processes, are gone
+                self._mps_daemon.stop(self.options.join_timeout)
             if self._janitor is not None:
                 self._tell_janitor("done")
                 with self._janitor_lock:

@@ -1,0 +1,280 @@
+"""CUDA MPS for one runtime: decide whether it is wanted, start a private daemon, always stop it.
+
+Several model processes on one GPU time-slice it; under MPS their kernels run concurrently. The
+runtime starts one *private* control daemon, so it never depends on or disturbs a system one::
+
+    Runtime.start                                         janitor (if main is SIGKILLed)
+      wanted(mode, models)? --no--> MpsStatus("off")
+      foreign_daemon()?     --yes-> MpsStatus("skipped")  (its daemon already serves the children)
+      PrivateDaemon.create()  /tmp/sdbi_mps_<pid>_XXXX/{pipe,log}, mode 0700
+      adopt(daemon) ----------------------------------->  ("mps", directory, control)
+      `nvidia-cuda-mps-control -d`, then `get_server_list` until it answers
+      model processes get CUDA_MPS_{PIPE,LOG}_DIRECTORY (ModelProcessSpec.env); the parent's
+      os.environ is never changed
+    Runtime.shutdown, after the model processes exit      ... after it killed them
+      PrivateDaemon.stop: `quit`; what of it is still alive after the timeout is SIGKILLed;
+      the directory is removed
+
+NOTE [finding our daemon]: ``-d`` daemonizes, so we never hold its pid. Our processes are found by
+scanning /proc for a process named ``nvidia-cuda-mps*`` (the control daemon and the servers it
+starts) whose environment holds ``CUDA_MPS_PIPE_DIRECTORY=<our private pipe dir>``: that path is
+fresh and unique to this runtime, so the match cannot name anything that is not ours, and unlike
+the daemon's pid file it also finds its servers and survives a daemon that died half-way. Each
+match is pinned with a pidfd and checked again, so a pid reused in between is never signalled.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import select
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Sequence
+
+logger = logging.getLogger(__name__)
+
+CONTROL = "nvidia-cuda-mps-control"
+PIPE_VAR, LOG_VAR = "CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY"
+SYSTEM_PIPE_DIR = "/tmp/nvidia-mps"   # where clients look when CUDA_MPS_PIPE_DIRECTORY is unset
+ANSWER_TIMEOUT = 5.0                  # seconds a fresh daemon has to answer get_server_list
+_KILL_WAIT = 5.0
+
+
+class MpsUnavailable(Exception):
+    """A private daemon could not be started; the message says why."""
+
+
+@dataclass(frozen=True)
+class MpsStatus:
+    """What the runtime did about MPS (``Runtime.mps``): ``state`` is "managed" (a private daemon
+    runs in ``directory``), "skipped" (wanted, but ``reason`` says why not) or "off"."""
+
+    state: str
+    reason: str
+    directory: Optional[str] = None
+
+    @property
+    def env(self) -> Dict[str, str]:
+        """The variables that make a model process a client of our daemon (none unless managed)."""
+        return daemon_env(self.directory) if self.state == "managed" else {}
+
+
+def daemon_env(directory: str) -> Dict[str, str]:
+    return {PIPE_VAR: os.path.join(directory, "pipe"), LOG_VAR: os.path.join(directory, "log")}
+
+
+def _gpu_of(device: str) -> Optional[str]:
+    """The CUDA device a model process with ``device`` lands on, None for the CPU. "cuda" is the
+    current device, cuda:0 in a fresh process; "auto" is too whenever there is a GPU (the parent
+    never imports torch to check: without a GPU the MPS binary is normally absent as well)."""
+    if device == "cpu":
+        return None
+    return device if ":" in device else "cuda:0"
+
+
+def wanted(mode: str, models: Sequence) -> Optional[str]:
+    """Why this runtime wants MPS, or None. "auto": two or more model processes (of all
+    ``models``, each instance placed by ``ModelConfig.device_of``) share a CUDA device."""
+    if mode == "off":
+        return None
+    if mode == "on":
+        return "mps='on'"
+    per_gpu = collections.Counter(gpu for cfg in models for i in range(cfg.model_num)
+                                  if (gpu := _gpu_of(cfg.device_of(i))) is not None)
+    shared = [f"{n} model processes on {gpu}" for gpu, n in sorted(per_gpu.items()) if n > 1]
+    return ", ".join(shared) or None
+
+
+def foreign_daemon(environ=None, system_pipe_dir: Optional[str] = None) -> Optional[str]:
+    """Why an MPS daemon that is not ours already serves this environment, or None. Its clients
+    would be our model processes too, so a second daemon would only compete with it."""
+    environ = os.environ if environ is None else environ
+    system_pipe_dir = SYSTEM_PIPE_DIR if system_pipe_dir is None else system_pipe_dir
+    if environ.get(PIPE_VAR):
+        return f"{PIPE_VAR}={environ[PIPE_VAR]} is already set"
+    control = os.path.join(system_pipe_dir, "control")
+    if os.path.exists(control) and not _stale(system_pipe_dir):
+        return f"a system MPS daemon is running ({control} exists)"
+    return None
+
+
+def _stale(pipe_dir: str) -> bool:
+    """The control socket outlives its daemon; the daemon's pid file does not (seen with driver
+    580: `quit` removes the pid file and leaves ``control``). Running = the pid file names a live
+    process (one of another user counts: kill() answers EPERM)."""
+    try:
+        with open(os.path.join(pipe_dir, "nvidia-cuda-mps-control.pid")) as f:
+            os.kill(int(f.read().strip()), 0)
+    except PermissionError:
+        return False
+    except (OSError, ValueError):
+        return True
+    return False
+
+
+class PrivateDaemon:
+    """One MPS control daemon of ours, in its own directory; rebuilt from (control, directory)
+    by the janitor, so :meth:`stop` needs nothing else."""
+
+    def __init__(self, control: str, directory: str):
+        self.control, self.directory = control, directory
+        self.env = daemon_env(directory)
+
+    @classmethod
+    def create(cls, control: str) -> "PrivateDaemon":
+        """A fresh private directory (mode 0700) with pipe/ and log/; the daemon is not started."""
+        directory = tempfile.mkdtemp(prefix=f"sdbi_mps_{os.getpid()}_")
+        daemon = cls(control, directory)
+        for path in daemon.env.values():
+            os.mkdir(path, 0o700)
+        return daemon
+
+    def start(self, timeout: float = ANSWER_TIMEOUT) -> None:
+        """Start the daemon; return once it answers a harmless command. Raises MpsUnavailable."""
+        deadline = time.monotonic() + timeout
+        out_path = os.path.join(self.env[LOG_VAR], "start.out")
+        # To a file, not a pipe: the daemonized child may keep its stdout, and a pipe would then
+        # make us wait for its EOF until the daemon exits.
+        with open(out_path, "wb") as out:
+            try:
+                done = subprocess.run([self.control, "-d"], env=dict(os.environ, **self.env),
+                                      stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                      timeout=timeout)
+            except subprocess.TimeoutExpired:
+                raise MpsUnavailable(f"`{CONTROL} -d` did not return within {timeout:g} s") from None
+            except OSError as e:
+                raise MpsUnavailable(f"cannot run {self.control}: {e}") from None
+        if done.returncode != 0:
+            with open(out_path, "rb") as f:
+                said = f.read()[-300:].decode(errors="replace").strip()
+            raise MpsUnavailable(f"`{CONTROL} -d` exited with code {done.returncode}: {said}")
+        # -d may return before the daemon listens: ask until it answers or the deadline passes.
+        while self.command("get_server_list", deadline - time.monotonic()) is None:
+            if time.monotonic() >= deadline:
+                raise MpsUnavailable(f"the daemon did not answer get_server_list within {timeout:g} s")
+            time.sleep(0.05)
+
+    def command(self, text: str, timeout: float) -> Optional[str]:
+        """Send one control command through our pipe directory; its answer, or None on failure."""
+        if timeout <= 0 or not os.path.exists(os.path.join(self.env[PIPE_VAR], "control")):
+            return None
+        try:
+            done = subprocess.run([self.control], input=text + "\n", env=dict(os.environ, **self.env),
+                                  capture_output=True, text=True, timeout=timeout)
+        except (subprocess.TimeoutExpired, OSError):
+            return None
+        return done.stdout if done.returncode == 0 else None
+
+    def stop(self, timeout: float) -> None:
+        """Quit the daemon, SIGKILL what of it is alive after ``timeout``, remove the directory.
+        Idempotent; never raises (it runs on every exit path, the janitor's included)."""
+        pinned = {}
+        try:
+            pinned = _pin(_our_pids(self.env[PIPE_VAR]), self.env[PIPE_VAR])
+            deadline = time.monotonic() + timeout
+            self.command("quit", timeout)
+            left = _wait_exit(pinned, deadline - time.monotonic())
+            if left:
+                logger.warning("CUDA MPS daemon in %s did not quit within %g s; killing pids %s",
+                               self.directory, timeout, sorted(left))
+                for fd in left.values():
+                    try:
+                        signal.pidfd_send_signal(fd, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+                _wait_exit(left, _KILL_WAIT)
+        except Exception:  # noqa: BLE001 - cleanup goes on; say what failed
+            logger.exception("stopping the CUDA MPS daemon in %s failed", self.directory)
+        finally:
+            for fd in pinned.values():
+                os.close(fd)
+            shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def _is_ours(pid: int, pipe_dir: str) -> bool:
+    """NOTE [finding our daemon]: an MPS process whose environment names our pipe directory."""
+    try:
+        with open(f"/proc/{pid}/comm", "rb") as f:
+            if not f.read().startswith(b"nvidia-cuda-mps"):
+                return False
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            environ = f.read().split(b"\0")
+    except OSError:  # gone, or another user's: not ours either way
+        return False
+    return os.fsencode(f"{PIPE_VAR}={pipe_dir}") in environ
+
+
+def _our_pids(pipe_dir: str) -> List[int]:
+    return [int(e) for e in os.listdir("/proc")
+            if e.isdigit() and int(e) != os.getpid() and _is_ours(int(e), pipe_dir)]
+
+
+def _pin(pids: List[int], pipe_dir: str) -> Dict[int, int]:
+    """pid -> pidfd of each process still ours once pinned (a reused pid fails the re-check)."""
+    pinned = {}
+    for pid in pids:
+        try:
+            fd = os.pidfd_open(pid)
+        except OSError:
+            continue
+        if _is_ours(pid, pipe_dir):
+            pinned[pid] = fd
+        else:
+            os.close(fd)
+    return pinned
+
+
+def _wait_exit(pinned: Dict[int, int], timeout: float) -> Dict[int, int]:
+    """Wait until every pinned process exited (its pidfd turns readable); those still alive."""
+    left = dict(pinned)
+    deadline = time.monotonic() + timeout
+    while left:
+        wait = deadline - time.monotonic()
+        if wait <= 0:
+            break
+        ready, _, _ = select.select(list(left.values()), [], [], wait)
+        left = {pid: fd for pid, fd in left.items() if fd not in ready}
+    return left
+
+
+def start_for(mode: str, models: Sequence, adopt: Callable[[PrivateDaemon], None],
+              timeout: float = ANSWER_TIMEOUT) -> MpsStatus:
+    """Start a private daemon if ``mode`` and the placement of ``models`` want one.
+
+    ``adopt`` gets the daemon before it starts, so whoever cleans up knows its directory even if
+    start-up is interrupted. Where MPS is wanted but cannot be had, one log line says why and the
+    runtime goes on without it -- except with ``mode="on"``, which raises RuntimeError when the
+    daemon cannot be started (a foreign daemon that already serves the children is fine)."""
+    why = wanted(mode, models)
+    if why is None:
+        return MpsStatus("off", f"mps={mode!r}" + (": no CUDA device has two model processes"
+                                                    if mode == "auto" else ""))
+    foreign = foreign_daemon()
+    if foreign is not None:
+        logger.info("CUDA MPS: not starting a private daemon: %s", foreign)
+        return MpsStatus("skipped", foreign)
+    control = shutil.which(CONTROL)
+    try:
+        if control is None:
+            raise MpsUnavailable(f"{CONTROL} is not on PATH")
+        daemon = PrivateDaemon.create(control)
+        adopt(daemon)
+        try:
+            daemon.start(timeout)
+        except BaseException:
+            daemon.stop(timeout)
+            raise
+    except MpsUnavailable as e:
+        if mode == "on":
+            raise RuntimeError(f"mps='on': cannot start a CUDA MPS daemon: {e}") from None
+        # No binary usually means no GPU tooling at all: worth a line, not a warning.
+        logger.log(logging.INFO if control is None else logging.WARNING,
+                   "CUDA MPS: running without it (%s): %s", why, e)
+        return MpsStatus("skipped", str(e))
+    logger.info("CUDA MPS: started a private daemon in %s (%s)", daemon.directory, why)
+    return MpsStatus("managed", why, daemon.directory)
