@@ -14,7 +14,9 @@ and how fast rows arrive (``RateMeter``), and asks :func:`decide` after every ch
   ``latency_target``;
 * while the device is still busy with the previous batch, keep collecting: the batch could not
   start earlier anyway;
-* otherwise wait only if it pays. Running now and running the rows that arrive during a wait
+* otherwise wait only if it pays: for clients just answered that are about to send again (a
+  closed loop; how long they take is learned, ``turnaround``), or for the Poisson stream.
+  Running now and running the rows that arrive during a wait
   ``w`` as a batch of their own costs one more ``fixed``; waiting delays the rows already here
   by ``w`` (and their batch by ``per_row`` per newcomer). With ``k = rate * w`` newcomers the
   total latency saved is ``k * (fixed - w) - b * (w + per_row * k)``, which is positive only if
@@ -60,13 +62,15 @@ class Snapshot:
     waiting: int = 0     # rows of the batch's shape published and not taken (they did not fit)
     may_send: int = 0    # attached clients that could send a request now
     device_busy: bool = False   # the previous batch is still running on the device
+    soon: int = 0        # of may_send: clients whose answer is written but not read yet
 
 
 def decide(s: Snapshot, now: float, cost: Optional[Tuple[float, float]], rate: float,
-           p: Policy, limit: Optional[int] = None) -> Tuple[bool, float]:
+           p: Policy, limit: Optional[int] = None, turnaround: Optional[float] = None) -> Tuple[bool, float]:
     """Close the batch now (``(True, 0)``), or ``(False, w)``: ask again after at most ``w``
     seconds (or as soon as something changes). ``cost`` is ``(fixed, per_row)`` seconds or None
-    while unknown; ``rate`` is rows/s arriving; ``limit`` the batch's row cap (:func:`row_limit`)."""
+    while unknown; ``rate`` is rows/s arriving; ``limit`` the batch's row cap (:func:`row_limit`);
+    ``turnaround`` how long a client typically takes from being answered to its next request."""
     limit = p.max_batch if limit is None else limit
     if s.rows >= limit or s.waiting > 0 or s.may_send <= 0:
         return True, 0.0
@@ -78,15 +82,30 @@ def decide(s: Snapshot, now: float, cost: Optional[Tuple[float, float]], rate: f
         return True, 0.0
     if not p.adaptive or s.device_busy:
         return False, budget
-    if cost is None or rate <= 0.0:
-        return True, 0.0   # nothing learned yet, or nothing arriving: waiting cannot pay
+    if cost is None:
+        return True, 0.0   # nothing learned yet: run, and learn
     fixed, per_row = cost
-    best = (fixed - s.rows / rate - s.rows * per_row) / 2.0
-    fill = (min(limit, s.rows + s.may_send) - s.rows) / rate   # no gain past a full batch
-    wait = min(best, fill, budget)
-    if wait <= MIN_WAIT:
+    room = limit - s.rows
+    wait, gain = 0.0, 0.0
+    if s.soon > 0 and turnaround is not None and turnaround <= budget:
+        # Clients just answered are about to send again (closed loops): wait for them.
+        k = min(s.soon, room)
+        wait, gain = turnaround, _saved(k, turnaround, s.rows, fixed, per_row)
+    if rate > 0.0:
+        w = min((fixed - s.rows / rate - s.rows * per_row) / 2.0,
+                (min(room, s.may_send)) / rate, budget)   # no gain past a full batch
+        g = _saved(rate * w, w, s.rows, fixed, per_row) if w > 0 else 0.0
+        if g > gain:
+            wait, gain = w, g
+    if gain <= 0.0 or wait <= MIN_WAIT:
         return True, 0.0
-    return False, wait
+    return False, min(wait, budget)
+
+
+def _saved(k: float, w: float, b: int, fixed: float, per_row: float) -> float:
+    """Latency saved (summed over requests) by waiting ``w`` for ``k`` more rows rather than
+    running the ``b`` rows here now and the newcomers in a batch of their own."""
+    return k * (fixed - w) - b * (w + per_row * k)
 
 
 def row_limit(p: Policy, cost: Optional[Tuple[float, float]]) -> int:
@@ -154,6 +173,17 @@ class CostModel:
     def predict(self, key: int, rows: int) -> Optional[float]:
         f = self.fit(key)
         return None if f is None else f[0] + f[1] * rows
+
+
+class Ema:
+    """An exponentially weighted mean of samples (None before the first)."""
+
+    def __init__(self, weight: float = 0.05):
+        self.weight = weight
+        self.value: Optional[float] = None
+
+    def add(self, x: float) -> None:
+        self.value = x if self.value is None else self.value + self.weight * (x - self.value)
 
 
 class RateMeter:

@@ -77,7 +77,7 @@ HEADER = np.dtype([
 ])
 INSTANCE = np.dtype([
     ("pid", "<i8"), ("state", "<i8"), ("device", "<i8"), ("restarts", "<i8"), ("t_start", "<f8"),
-    ("graphs", "<i8"), ("reserved", "<i8", (2,)),
+    ("graphs", "<i8"), ("free", "<i8"), ("reserved", "<i8"),
 ])
 # Written by the model process that claimed the slot's request: pid and instance first, then
 # token and seq (a client trusts a claim only when token and seq are its own); ``done`` = seq

@@ -147,6 +147,13 @@ class ModelServer:
         self.fatal = False
         self._rescan = True       # pending requests may be left from the last scan
         self._graph_step_at = time.monotonic()
+        # INSTANCE.free: 1 while this process sleeps with nothing claimed or running. A peer whose
+        # device is busy leaves new requests to it rather than claiming them for later.
+        free = self.ctl.instances["free"]
+        self._free_flag = free[self.me:self.me + 1]
+        self._free_flag[0] = 0
+        self._free = free   # mine is 0 whenever I look at it
+        self.turnaround = batching.Ema()   # seconds from an answer to that client's next request
         self._launch_ema = 0.0    # host seconds to enqueue a forward pass (EMA)
         self._forward_ema = 0.0   # device seconds of a forward pass (EMA)
         if cfg.input_shapes:
@@ -218,12 +225,15 @@ class ModelServer:
                 if self.engine.graphs_pending and not self.deferred:
                     self._capture_step()  # idle: this process holds no request
                     continue
+                self._free_flag[0] = 1
                 try:
                     self.door.acquire(self.poll)
                     self._rescan = True  # the ring this consumed is news for _collect
                 except posix_ipc.BusyError:
                     if not self._maintenance():
                         break
+                finally:
+                    self._free_flag[0] = 0
             except Exception as e:  # noqa: BLE001 - the catch-all: nothing stops this loop
                 logger.exception("%s internal error; failing the requests concerned", self.tag)
                 inflight = None
@@ -238,6 +248,10 @@ class ModelServer:
             except Exception:  # noqa: BLE001
                 logger.exception("%s finishing the last batch failed", self.tag)
         self._fail(list(self._open.values()), ST_STOPPED, "the model process is stopping")
+
+    def _peer_free(self) -> bool:
+        """Is another model process of this model idle (nothing claimed, nothing running)?"""
+        return self.ctl.model_num > 1 and bool(self._free.any())
 
     def _capture_step(self) -> None:
         self.engine.capture_step()
@@ -254,6 +268,7 @@ class ModelServer:
         except Exception:  # noqa: BLE001 - best effort at exit
             logger.debug("%s engine close failed", self.tag, exc_info=True)
         try:
+            self.ctl.instances[self.me]["free"] = 0
             self.ctl.instances[self.me]["state"] = INST_DEAD
         except Exception:  # noqa: BLE001
             pass
@@ -319,18 +334,19 @@ class ModelServer:
         self.peers[slot] = new
         return new
 
-    def _scan(self) -> Tuple[List[int], int]:
+    def _scan(self) -> Tuple[List[int], int, int]:
         """One pass over the hints: the slots whose request is published and claimed by nobody
-        (not retried while their claim failed this interval), and how many attached clients could
+        (not retried while their claim failed this interval), how many attached clients could
         send a request now -- those with none in flight (IDLE) and those whose answer is written
-        but not read yet (they are about to send again)."""
+        but not read yet -- and how many of them are the latter (about to send again)."""
         t = self.table
         states = t.state
         pub = np.flatnonzero(states == PUBLISHED)
         may = int(np.count_nonzero(states == IDLE))
         if not pub.size:
-            return [], may
+            return [], may, 0
         failed = self._failed
+        soon = 0
         if pub.size <= 16:  # the common case: a few numpy scalars beat a dozen vector operations
             seq, tok = t.seq, t.token
             c_seq, c_tok, c_done = self.claim_seq, self.claim_token, self.claim_done
@@ -339,22 +355,22 @@ class ModelServer:
                 q, k = seq[s], tok[s]
                 if c_tok[s] == k:
                     if c_done[s] == q:
-                        may += 1
+                        soon += 1
                     if c_seq[s] == q:
                         continue
                 if failed and failed.get(s) == (int(k), int(q)):
                     continue
                 out.append(s)
-            return out, may
+            return out, may + soon, soon
         seqs, toks = t.seq[pub], t.token[pub]
         same = self.claim_token[pub] == toks
-        may += int(np.count_nonzero(same & (self.claim_done[pub] == seqs)))
+        soon = int(np.count_nonzero(same & (self.claim_done[pub] == seqs)))
         keep = ~(same & (self.claim_seq[pub] == seqs))
         out = pub[keep].tolist()
         if failed:
             out = [s for s, k, q in zip(out, toks[keep].tolist(), seqs[keep].tolist())
                    if failed.get(s) != (k, q)]
-        return out, may
+        return out, may + soon, soon
 
     def _claim(self, slot: int, now: float) -> Optional[Request]:
         t = self.table
@@ -372,6 +388,8 @@ class ModelServer:
             self._reject(peer, e.seq, str(e))
             return None
         write_claim(self.claim_words, slot, token, req.seq, self.me, self.pid)
+        if peer.answered_at:
+            self.turnaround.add(min(max(req.t_publish - peer.answered_at, 0.0), 0.1))
         if peer.mapping is not None:
             req.mapped = peer.mapping
         self._open[id(req)] = req
@@ -452,9 +470,11 @@ class ModelServer:
     def _collect(self, busy=None) -> List[Request]:
         """Claim the next batch. ``busy`` is the launched batch still on the device, if any: the
         policy treats waiting as free until it is done (batching.decide)."""
+        if busy is not None and self._peer_free():
+            return []  # an idle peer takes newcomers sooner than my busy device would
         if not self._drain_doorbell() and not self._rescan and not self.deferred:
             return []  # every publish rings the doorbell after its row is written: nothing new
-        pending, may = self._scan()
+        pending, may, soon = self._scan()
         batch: List[Request] = []
         c = _Collecting(limit=self.max_batch)
         self._fill(batch, c, pending)
@@ -465,10 +485,10 @@ class ModelServer:
         while c.rows < c.limit:
             now = time.monotonic()
             snap = batching.Snapshot(c.rows, c.oldest, c.waiting, may,
-                                     busy is not None and not busy.ready())
+                                     busy is not None and not busy.ready(), soon)
             close, wait = batching.decide(snap, now, costs.fit(c.key), arrivals.rate(now), policy,
-                                          c.limit)
-            if close:
+                                          c.limit, self.turnaround.value)
+            if close or (snap.device_busy and self._peer_free()):
                 break
             if snap.device_busy:
                 wait = min(wait, _BUSY_POLL)  # check the device now and then while waiting
@@ -478,7 +498,10 @@ class ModelServer:
             except posix_ipc.BusyError:
                 if not c.leftover:
                     continue  # nothing was published meanwhile: decide again, without a scan
-            pending, may = self._scan()
+            if snap.device_busy and self._peer_free():
+                self.door.release()  # the news is for the idle peer
+                break
+            pending, may, soon = self._scan()
             self._fill(batch, c, pending)
         self._rescan = c.leftover
         if self.ctl.model_num > 1 and c.leftover:
@@ -632,6 +655,7 @@ class ModelServer:
     def _wake(self, r: Request) -> None:
         peer = r.peer
         peer.wake()
+        peer.answered_at = time.monotonic()
         peer.inflight -= 1
         if not peer.inflight and peer in self.retired:
             self._close_peer(peer)

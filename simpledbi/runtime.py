@@ -288,6 +288,7 @@ class Runtime:
                 m.conn.close()
             except OSError:
                 pass
+        ctl.instances[m.instance]["free"] = 0  # a dead process is not an idle peer
         self._wake_claimed_by(name, m.proc.pid)
         self._tell_janitor("gone", m.proc.pid)  # never signal a pid the system may reuse
         if ctl.state == BROKEN:

@@ -126,3 +126,16 @@ def test_rate_meter_tracks_a_steady_stream_and_decays_when_it_stops():
     assert r.rate(t) == pytest.approx(1000, rel=0.02)
     assert r.rate(t + 1.0) < 1.0            # ten time constants later
     assert r.rate(t - 5) >= 0               # a clock that went backwards is ignored
+
+
+def test_clients_about_to_send_again_are_waited_for_when_it_pays():
+    """A closed loop: 3 clients were just answered and take ~0.2 ms to send again; one request is
+    here. A 4 ms fixed cost makes waiting 0.2 ms for them pay; a 0.1 ms one does not."""
+    s = snap(rows=1, may_send=3, soon=3)
+    close, wait = decide(s, 100.0, LAUNCH_BOUND, 0.0, P, turnaround=0.0002)
+    assert not close and wait == pytest.approx(0.0002)
+    assert decide(s, 100.0, (0.0001, 0.0001), 0.0, P, turnaround=0.0002) == (True, 0.0)
+    # not past wait_time, and not for clients whose turnaround is unknown or too long
+    assert decide(s, 100.0, LAUNCH_BOUND, 0.0, P, turnaround=None) == (True, 0.0)
+    assert decide(s, 100.0, LAUNCH_BOUND, 0.0, P, turnaround=0.5) == (True, 0.0)
+    assert decide(s, 100.0099, LAUNCH_BOUND, 0.0, P, turnaround=0.0002) == (True, 0.0)
