@@ -129,7 +129,9 @@ def _loop(call, xs, start: StartLine, spec: BenchSpec, timing=None, rank: int = 
         ends.append(t1)
         if timing is not None:
             tm = timing()
-            wakes.append(tm["woken"] - tm["done"])
+            # where this request's time went: to the batch closing, in the batch, to waking up
+            wakes.append((tm["woken"] - tm["done"], tm["batch_closed"] - tm["published"],
+                          tm["done"] - tm["batch_closed"]))
         now = t1
         i += 1
     return np.array(starts), np.array(ends), np.array(wakes)
@@ -272,7 +274,9 @@ def analyse(spec: BenchSpec, t_go: float, results, records) -> dict:
     w0, w1 = t_go + spec.warmup, t_go + spec.warmup + spec.duration
     starts = np.concatenate([r[0] for r in results])
     ends = np.concatenate([r[1] for r in results])
-    wakes = np.concatenate([r[2] for r in results]) if results and len(results[0]) > 2 else np.zeros(0)
+    parts = [r[2] for r in results if len(r) > 2 and len(r[2])]
+    parts = np.concatenate(parts).reshape(-1, 3) if parts else np.zeros((0, 3))
+    wakes = parts[:, 0]
     finished = (ends >= w0) & (ends <= w1)
     inside = (starts >= w0) & (ends <= w1)
     lat = (ends - starts)[inside] * 1e3
@@ -295,7 +299,12 @@ def analyse(spec: BenchSpec, t_go: float, results, records) -> dict:
         out["per_batch_ms"] = {s: {"mean": float(rec[:, B_FIELDS.index(s)].mean() * 1e3) if len(rec) else 0.0,
                                    "p50": _pct(rec[:, B_FIELDS.index(s)] * 1e3, 50)} for s in STAGES}
         wk = wakes[np.isfinite(wakes) & (wakes >= 0)] * 1e3
-        out["wake_ms"] = {"mean": float(wk.mean()) if wk.size else 0.0, "p50": _pct(wk, 50)}
+        out["wake_ms"] = {"mean": float(wk.mean()) if wk.size else 0.0, "p50": _pct(wk, 50),
+                          "p99": _pct(wk, 99)}
+        # per request: publish -> its batch closed, batch closed -> answer written
+        for j, name in ((1, "to_batch_ms"), (2, "in_batch_ms")):
+            col = parts[:, j] * 1e3
+            out[name] = {"p50": _pct(col, 50), "p90": _pct(col, 90), "p99": _pct(col, 99)}
     return out
 
 
@@ -342,6 +351,10 @@ def format_report(r: dict, baseline: Optional[dict] = None) -> str:
         lines.append("  per batch    " + "  ".join(f"{s} {v['p50']:.3f}" for s, v in r["per_batch_ms"].items())
                      + "   (ms, p50)")
         lines.append(f"  wake-up      p50 {r['wake_ms']['p50']:.3f} ms (result written -> caller running)")
+        if "to_batch_ms" in r:
+            lines.append("  per request  " + "   ".join(
+                f"{k[:-3].replace('_', ' ')} p50 {r[k]['p50']:.2f} p99 {r[k]['p99']:.2f}"
+                for k in ("to_batch_ms", "in_batch_ms")) + f"   wake p99 {r['wake_ms']['p99']:.2f} (ms)")
     return "\n".join(lines)
 
 

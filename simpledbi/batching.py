@@ -16,6 +16,7 @@ and how fast rows arrive (``RateMeter``), and asks :func:`decide` after every ch
   start earlier anyway;
 * otherwise wait only if it pays: for clients just answered that are about to send again (a
   closed loop; how long they take is learned, ``turnaround``), or for the Poisson stream.
+  (A client in an open loop thinks between requests: its turnaround is long, so nobody waits.)
   Running now and running the rows that arrive during a wait
   ``w`` as a batch of their own costs one more ``fixed``; waiting delays the rows already here
   by ``w`` (and their batch by ``per_row`` per newcomer). With ``k = rate * w`` newcomers the
@@ -87,9 +88,10 @@ def decide(s: Snapshot, now: float, cost: Optional[Tuple[float, float]], rate: f
     fixed, per_row = cost
     room = limit - s.rows
     wait, gain = 0.0, 0.0
-    if s.soon > 0 and turnaround is not None and turnaround <= budget:
-        # Clients just answered are about to send again (closed loops): wait for them.
-        k = min(s.soon, room)
+    if turnaround is not None and turnaround <= budget:
+        # Clients come back this fast after an answer (a closed loop): wait for those that may
+        # send -- just answered, or idle since.
+        k = min(s.may_send, room)
         wait, gain = turnaround, _saved(k, turnaround, s.rows, fixed, per_row)
     if rate > 0.0:
         w = min((fixed - s.rows / rate - s.rows * per_row) / 2.0,

@@ -32,6 +32,7 @@ logger = logging.getLogger(__name__)
 _PRECISION = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 #: Item signatures (shapes + dtypes) a model process keeps CUDA graphs for; others run eagerly.
 MAX_GRAPH_SIGNATURES = 4
+_CUDNN_BENCH = os.environ.get("SIMPLEDBI_CUDNN_BENCHMARK", "1") != "0"   # off only to compare
 
 
 def _describe(sig) -> str:
@@ -442,9 +443,15 @@ class Engine:
 
             side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):
-                for _ in range(3):
-                    step()
+            # The shape is fixed from here on: let cuDNN time its algorithms once in the warm-up
+            # runs; the graph keeps the ones it picked (eager batches, of varying sizes, don't).
+            benchmark, torch.backends.cudnn.benchmark = torch.backends.cudnn.benchmark, _CUDNN_BENCH
+            try:
+                with torch.cuda.stream(side):
+                    for _ in range(3):
+                        step()
+            finally:
+                torch.backends.cudnn.benchmark = benchmark
             torch.cuda.current_stream(self.device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._graph_pool):
