@@ -104,6 +104,7 @@ class _InFlight:
     gather: object = None
     launched: object = None
     error: Optional[BaseException] = None
+    completed: bool = False
 
 
 class ModelServer:
@@ -201,7 +202,9 @@ class ModelServer:
                         done, inflight = inflight, None
                         self._complete(done)
                     self._capture_step()
-                batch = self._collect(inflight.launched if inflight else None)
+                batch = self._collect(inflight)
+                if inflight is not None and inflight.completed:
+                    inflight = None  # answered inside _collect
                 if batch:
                     nxt = self._stage(batch)  # copies in on the copy stream, behind nothing
                     if inflight is not None and (inflight.launched.ready() or not self._pipeline_forward()):
@@ -467,9 +470,11 @@ class ModelServer:
         if claimed:
             self.arrivals.add(claimed, now)
 
-    def _collect(self, busy=None) -> List[Request]:
-        """Claim the next batch. ``busy`` is the launched batch still on the device, if any: the
-        policy treats waiting as free until it is done (batching.decide)."""
+    def _collect(self, inflight: Optional[_InFlight] = None) -> List[Request]:
+        """Claim the next batch. ``inflight`` is the batch launched before, if any: while it is on
+        the device, waiting is free (batching.decide). When it is done and no client could add
+        to this batch, it is answered here first: its callers are the ones who can."""
+        busy = inflight.launched if inflight is not None else None
         if busy is not None and self._peer_free():
             return []  # an idle peer takes newcomers sooner than my busy device would
         if not self._drain_doorbell() and not self._rescan and not self.deferred:
@@ -483,9 +488,15 @@ class ModelServer:
             return []
         policy, costs, arrivals = self.policy, self.costs, self.arrivals
         while c.rows < c.limit:
+            device_busy = busy is not None and not busy.ready()
+            if busy is not None and not device_busy and may == 0 and not c.waiting:
+                self._complete(inflight)  # answer the batch that just finished ...
+                inflight.completed, busy = True, None
+                pending, may, soon = self._scan()  # ... and see who comes back
+                self._fill(batch, c, pending)
+                continue
             now = time.monotonic()
-            snap = batching.Snapshot(c.rows, c.oldest, c.waiting, may,
-                                     busy is not None and not busy.ready(), soon)
+            snap = batching.Snapshot(c.rows, c.oldest, c.waiting, may, device_busy, soon)
             close, wait = batching.decide(snap, now, costs.fit(c.key), arrivals.rate(now), policy,
                                           c.limit, self.turnaround.value)
             if close or (snap.device_busy and self._peer_free()):
