@@ -391,7 +391,7 @@ class ModelServer:
             self._reject(peer, e.seq, str(e))
             return None
         write_claim(self.claim_words, slot, token, req.seq, self.me, self.pid)
-        if peer.answered_at:
+        if req.seq == peer.answered_seq + 1:  # its last request was answered by me: a sample
             self.turnaround.add(min(max(req.t_publish - peer.answered_at, 0.0), 0.1))
         if peer.mapping is not None:
             req.mapped = peer.mapping
@@ -666,7 +666,7 @@ class ModelServer:
     def _wake(self, r: Request) -> None:
         peer = r.peer
         peer.wake()
-        peer.answered_at = time.monotonic()
+        peer.answered_at, peer.answered_seq = time.monotonic(), r.seq
         peer.inflight -= 1
         if not peer.inflight and peer in self.retired:
             self._close_peer(peer)

@@ -466,7 +466,8 @@ class Peer:
         self.warned = False
         self.inflight = 0        # requests claimed through this peer and not answered yet
         self.size = 0            # the segment's size when last validated (or extended by us)
-        self.answered_at = 0.0   # when this process last woke the client (time.monotonic)
+        self.answered_at = 0.0   # when this process last woke the client (time.monotonic) ...
+        self.answered_seq = -1   # ... and for which request
         self._last = None        # the last request validated: its static header bytes and result
         self._heads = {}         # response header prefixes by output signature
         self.fd = os.open(segment_path(namespace, model, slot, token), os.O_RDWR | os.O_CLOEXEC)
