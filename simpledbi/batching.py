@@ -110,16 +110,21 @@ def _saved(k: float, w: float, b: int, fixed: float, per_row: float) -> float:
     return k * (fixed - w) - b * (w + per_row * k)
 
 
-def row_limit(p: Policy, cost: Optional[Tuple[float, float]]) -> int:
+def row_limit(p: Policy, cost: Optional[Tuple[float, float]], rate: float = 0.0) -> int:
     """The most rows a batch may take: ``max_batch``, or fewer when ``latency_target`` needs it
-    (a request may wait for one batch and run in the next: each must fit in half the target)."""
+    (a request may wait for one batch and run in the next: each must fit in half the target) --
+    but never so few that batches can no longer keep up with ``rate`` rows/s: then queues would
+    grow and every request would miss the target, so throughput comes first."""
     if p.latency_target is None or cost is None:
         return p.max_batch
     fixed, per_row = cost
     if per_row <= 0.0:
-        return p.max_batch if fixed <= p.latency_target / 2 else 1
-    n = int((p.latency_target / 2 - fixed) / per_row)
-    return max(1, min(p.max_batch, n))
+        n = p.max_batch if fixed <= p.latency_target / 2 else 1
+    else:
+        n = max(1, min(p.max_batch, int((p.latency_target / 2 - fixed) / per_row)))
+    if n < p.max_batch and rate * (fixed + per_row * n) / n > 0.8:
+        return p.max_batch
+    return n
 
 
 class CostModel:

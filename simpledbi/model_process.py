@@ -408,7 +408,8 @@ class ModelServer:
     def _take(self, batch: List[Request], c: _Collecting, req: Request) -> None:
         if c.key is None:
             c.key = req.key
-            c.limit = batching.row_limit(self.policy, self.costs.fit(req.key))
+            c.limit = batching.row_limit(self.policy, self.costs.fit(req.key),
+                                         self.arrivals.rate(time.monotonic()))
         batch.append(req)
         c.rows += req.rows
         if req.t_publish < c.oldest:

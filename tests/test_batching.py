@@ -87,6 +87,9 @@ def test_latency_target_bounds_the_wait_and_the_batch():
     # an impossible target still serves: one row at a time
     assert row_limit(Policy(32, 0.05, latency_target=0.001), cost) == 1
     assert row_limit(p, None) == 32 and row_limit(P, cost) == 8
+    # ... unless batches that small cannot keep up with the arrivals: throughput first
+    assert row_limit(p, cost, rate=100.0) == 16          # 16 rows per 10 ms: 1600 rows/s
+    assert row_limit(p, cost, rate=3000.0) == 32
 
 
 def test_cost_model_recovers_an_affine_cost_and_forgets_old_batches():
