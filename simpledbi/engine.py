@@ -32,7 +32,8 @@ logger = logging.getLogger(__name__)
 _PRECISION = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 #: Item signatures (shapes + dtypes) a model process keeps CUDA graphs for; others run eagerly.
 MAX_GRAPH_SIGNATURES = 4
-_CUDNN_BENCH = os.environ.get("SIMPLEDBI_CUDNN_BENCHMARK", "1") != "0"   # off only to compare
+#: Eager batches of one (item signature, graph bucket) before its graph is captured.
+GRAPH_AFTER_BATCHES = 3
 
 
 def _describe(sig) -> str:
@@ -147,7 +148,8 @@ class Engine:
         self._graphs: dict = {}
         self._graph_sizes = cfg.graph_batch_sizes() if self.cuda else ()
         self._graph_todo: List[tuple] = []           # (signature, batch size) still to capture
-        self._graph_seen: set = set()                # signatures queued, captured or given up on
+        self._graph_uses: dict = {}                  # (signature, batch size) -> eager batches
+        self._graph_failed: set = set()              # signatures whose capture failed
         self._graph_pool = None
         # Two sets of staging buffers: batch k+1 is copied in while batch k computes.
         self._sets = [_BufferSet(self.cuda) for _ in range(2 if self.cuda else 1)]
@@ -317,15 +319,16 @@ class Engine:
         t0 = time.perf_counter()
         ev, bs, rows = launched.events, launched.buffers, launched.rows
         graph = None
-        if self._graph_sizes:
+        if self._graph_sizes and rows <= self._graph_sizes[-1]:
             sig = tuple((tuple(item), np.dtype(dtype)) for _, dtype, item in launched.staged)
             graphs = self._graphs.get(sig)
+            bucket = min(n for n in self._graph_sizes if n >= rows)
             if graphs:
                 fits = [n for n in graphs if n >= rows]
                 if fits:
                     graph = graphs[min(fits)]
-            elif sig not in self._graph_seen:
-                self._queue_graphs(sig)
+            if (graph is None or len(graph.inputs[0]) > bucket) and sig not in self._graph_failed:
+                self._count_use(sig, bucket)
         with torch.cuda.stream(self.stream):
             self.stream.wait_event(ev["copied"])
             ev["fwd_start"].record()
@@ -379,14 +382,20 @@ class Engine:
             pos += n
 
     # ------------------------------------------------------------ CUDA graphs
-    def _queue_graphs(self, sig) -> None:
-        """A new item signature ran eagerly: queue its graphs (largest first), within bounds."""
-        self._graph_seen.add(sig)
-        if len(self._graphs) + len({s for s, _ in self._graph_todo}) >= MAX_GRAPH_SIGNATURES:
+    def _count_use(self, sig, bucket: int) -> None:
+        """A batch of this signature ran eagerly (or padded past its bucket): after a few, queue
+        the graph of that bucket -- only sizes that actually occur are captured."""
+        key = (sig, bucket)
+        n = self._graph_uses.get(key, 0) + 1
+        self._graph_uses[key] = n
+        if n != GRAPH_AFTER_BATCHES:
+            return
+        sigs = set(self._graphs) | {s for s, _ in self._graph_todo}
+        if sig not in sigs and len(sigs) >= MAX_GRAPH_SIGNATURES:
             logger.info("%s: item shapes %s run eagerly (CUDA graphs are kept for at most %d item "
                         "shapes per model process)", self.cfg.name, _describe(sig), MAX_GRAPH_SIGNATURES)
             return
-        self._graph_todo += [(sig, n) for n in sorted(self._graph_sizes, reverse=True)]
+        self._graph_todo.append(key)
 
     @property
     def graph_count(self) -> int:
@@ -406,21 +415,19 @@ class Engine:
         except Exception as e:  # noqa: BLE001 - eager is always there to fall back on
             self._graph_todo = [(s, m) for s, m in self._graph_todo if s != sig]
             self._graphs.pop(sig, None)
+            self._graph_failed.add(sig)
             torch.cuda.synchronize(self.device)
             logger.warning("%s: CUDA graph capture failed for item shapes %s (%s: %s); running "
                            "them eagerly", self.cfg.name, _describe(sig), type(e).__name__, e)
             return
-        if not any(s == sig for s, _ in self._graph_todo):
-            logger.info("%s: CUDA graphs captured for item shapes %s, batch sizes %s (last in %.0f ms)",
-                        self.cfg.name, _describe(sig), sorted(self._graphs[sig]),
-                        (time.perf_counter() - t0) * 1e3)
+        logger.info("%s: CUDA graph captured for item shapes %s, %d rows, in %.0f ms", self.cfg.name,
+                    _describe(sig), n, (time.perf_counter() - t0) * 1e3)
 
     def capture_graphs(self, shapes, dtypes, sizes) -> None:
         """Capture graphs for one item signature at once (at load time, from ``input_shapes``)."""
         if not self.cuda:
             return
         sig = tuple((tuple(s), np.dtype(d)) for s, d in zip(shapes, dtypes))
-        self._graph_seen.add(sig)
         try:
             for n in sorted(sizes, reverse=True):
                 self._capture(sig, n)
@@ -443,15 +450,9 @@ class Engine:
 
             side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
-            # The shape is fixed from here on: let cuDNN time its algorithms once in the warm-up
-            # runs; the graph keeps the ones it picked (eager batches, of varying sizes, don't).
-            benchmark, torch.backends.cudnn.benchmark = torch.backends.cudnn.benchmark, _CUDNN_BENCH
-            try:
-                with torch.cuda.stream(side):
-                    for _ in range(3):
-                        step()
-            finally:
-                torch.backends.cudnn.benchmark = benchmark
+            with torch.cuda.stream(side):
+                for _ in range(3):
+                    step()
             torch.cuda.current_stream(self.device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._graph_pool):
