@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import faulthandler
 import os
+import time
 
 import posix_ipc
 import torch
@@ -130,6 +131,18 @@ def barrier(prefix: str):
 
 def slow():
     return Slow()
+
+
+class LaunchBound(nn.Module):
+    """A fixed cost per batch, whatever its size (like a launch-bound GPU model): 20 ms."""
+
+    def forward(self, x):
+        time.sleep(0.02)
+        return x * 2 + 1
+
+
+def launch_bound():
+    return LaunchBound()
 
 
 class Syncing(nn.Module):

@@ -24,12 +24,25 @@ def test_many_workers_each_get_their_own_results():
 
 
 @pytest.mark.timeout(120)
-def test_requests_are_batched_under_load():
+def test_requests_are_batched_under_load_with_the_fixed_policy():
     # A long wait_time: a batch closes only when full or when every attached client is pending.
     stats = Run(target=workers.load_worker, worker_num=6, args=(40, 6),
-                models=[cpu_model("slow", models.slow, max_batch_size=6, wait_time=5.0)], options=FAST)
+                models=[cpu_model("slow", models.slow, max_batch_size=6, wait_time=5.0,
+                                  batching="fixed")], options=FAST)
     final = max(stats, key=lambda s: s["requests"])
     assert final["mean_batch_size"] > 2.0, final
+    assert final["errors"] == 0
+
+
+@pytest.mark.timeout(120)
+def test_adaptive_policy_batches_a_closed_loop_when_a_batch_has_a_fixed_cost():
+    # 20 ms per batch whatever its size, clients that come straight back: waiting for them pays,
+    # so batches grow (the policy learns the cost and the clients' turnaround as it goes).
+    stats = Run(target=workers.load_worker, worker_num=6, args=(40, 6, "lb"),
+                models=[cpu_model("lb", models.launch_bound, max_batch_size=6, wait_time=0.1)],
+                options=FAST)
+    final = max(stats, key=lambda s: s["requests"])
+    assert final["mean_batch_size"] > 3.0, final
     assert final["errors"] == 0
 
 

@@ -23,8 +23,8 @@ def affine_worker(rank, n_requests, max_rows, seed):
     return n_requests
 
 
-def load_worker(rank, n_requests, n_workers):
-    model = SharedModel("slow", max_shape=(1, 256))
+def load_worker(rank, n_requests, n_workers, name="slow"):
+    model = SharedModel(name, max_shape=(1, 256))
     # Start line: wait until every worker has attached, so the load really overlaps (on a busy
     # 2-core machine one worker can otherwise finish before the next one has even started).
     deadline = time.monotonic() + 60
@@ -33,7 +33,7 @@ def load_worker(rank, n_requests, n_workers):
     rng = np.random.default_rng(rank)
     for _ in range(n_requests):
         x = rng.standard_normal((1, 256)).astype(np.float32)
-        np.testing.assert_allclose(model.forward(x), x * 2 + 1, rtol=1e-6)
+        np.testing.assert_allclose(model.forward(x), x * 2 + 1, rtol=1e-6, atol=1e-6)
     return model.stats()
 
 
