@@ -297,7 +297,8 @@ def analyse(spec: BenchSpec, t_go: float, results, records) -> dict:
         hist = np.bincount(rows, minlength=spec.max_batch_size + 1)[1:]
         out["batch_size_histogram"] = {str(i + 1): int(n) for i, n in enumerate(hist) if n}
         out["per_batch_ms"] = {s: {"mean": float(rec[:, B_FIELDS.index(s)].mean() * 1e3) if len(rec) else 0.0,
-                                   "p50": _pct(rec[:, B_FIELDS.index(s)] * 1e3, 50)} for s in STAGES}
+                                   "p50": _pct(rec[:, B_FIELDS.index(s)] * 1e3, 50),
+                                   "p99": _pct(rec[:, B_FIELDS.index(s)] * 1e3, 99)} for s in STAGES}
         wk = wakes[np.isfinite(wakes) & (wakes >= 0)] * 1e3
         out["wake_ms"] = {"mean": float(wk.mean()) if wk.size else 0.0, "p50": _pct(wk, 50),
                           "p99": _pct(wk, 99)}
