@@ -63,7 +63,6 @@ class Snapshot:
     waiting: int = 0     # rows of the batch's shape published and not taken (they did not fit)
     may_send: int = 0    # attached clients that could send a request now
     device_busy: bool = False   # the previous batch is still running on the device
-    soon: int = 0        # of may_send: clients whose answer is written but not read yet
 
 
 def decide(s: Snapshot, now: float, cost: Optional[Tuple[float, float]], rate: float,

@@ -342,17 +342,17 @@ class ModelServer:
         self.peers[slot] = new
         return new
 
-    def _scan(self) -> Tuple[List[int], int, int]:
+    def _scan(self) -> Tuple[List[int], int]:
         """One pass over the hints: the slots whose request is published and claimed by nobody
-        (not retried while their claim failed this interval), how many attached clients could
-        send a request now -- those with none in flight (IDLE) and those whose answer is written
-        but not read yet -- and how many of them are the latter (about to send again)."""
+        (not retried while their claim failed this interval), and how many attached clients could
+        send a request now: those with none in flight (IDLE) and those whose answer is written
+        but not read yet (about to send again)."""
         t = self.table
         states = t.state
         pub = np.flatnonzero(states == PUBLISHED)
         may = int(np.count_nonzero(states == IDLE))
         if not pub.size:
-            return [], may, 0
+            return [], may
         failed = self._failed
         soon = 0
         if pub.size <= 16:  # the common case: a few numpy scalars beat a dozen vector operations
@@ -369,7 +369,7 @@ class ModelServer:
                 if failed and failed.get(s) == (int(k), int(q)):
                     continue
                 out.append(s)
-            return out, may + soon, soon
+            return out, may + soon
         seqs, toks = t.seq[pub], t.token[pub]
         same = self.claim_token[pub] == toks
         soon = int(np.count_nonzero(same & (self.claim_done[pub] == seqs)))
@@ -378,7 +378,7 @@ class ModelServer:
         if failed:
             out = [s for s, k, q in zip(out, toks[keep].tolist(), seqs[keep].tolist())
                    if failed.get(s) != (k, q)]
-        return out, may + soon, soon
+        return out, may + soon
 
     def _claim(self, slot: int, now: float) -> Optional[Request]:
         t = self.table
@@ -485,7 +485,7 @@ class ModelServer:
             return []  # an idle peer takes newcomers sooner than my busy device would
         if not self._drain_doorbell() and not self._rescan and not self.deferred:
             return []  # every publish rings the doorbell after its row is written: nothing new
-        pending, may, soon = self._scan()
+        pending, may = self._scan()
         batch: List[Request] = []
         c = _Collecting(limit=self.max_batch)
         self._fill(batch, c, pending)
@@ -498,11 +498,11 @@ class ModelServer:
             if busy is not None and not device_busy and may == 0 and not c.waiting:
                 self._complete(inflight)  # answer the batch that just finished ...
                 inflight.completed, busy = True, None
-                pending, may, soon = self._scan()  # ... and see who comes back
+                pending, may = self._scan()  # ... and see who comes back
                 self._fill(batch, c, pending)
                 continue
             now = time.monotonic()
-            snap = batching.Snapshot(c.rows, c.oldest, c.waiting, may, device_busy, soon)
+            snap = batching.Snapshot(c.rows, c.oldest, c.waiting, may, device_busy)
             close, wait = batching.decide(snap, now, costs.fit(c.key), arrivals.rate(now), policy,
                                           c.limit, self.turnaround.value)
             if close or (snap.device_busy and self._peer_free()):
@@ -518,7 +518,7 @@ class ModelServer:
             if snap.device_busy and self._peer_free():
                 self.door.release()  # the news is for the idle peer
                 break
-            pending, may, soon = self._scan()
+            pending, may = self._scan()
             self._fill(batch, c, pending)
         self._rescan = c.leftover
         if self.ctl.model_num > 1 and c.leftover:

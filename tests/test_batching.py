@@ -134,7 +134,7 @@ def test_rate_meter_tracks_a_steady_stream_and_decays_when_it_stops():
 def test_clients_about_to_send_again_are_waited_for_when_it_pays():
     """A closed loop: 3 clients were just answered and take ~0.2 ms to send again; one request is
     here. A 4 ms fixed cost makes waiting 0.2 ms for them pay; a 0.1 ms one does not."""
-    s = snap(rows=1, may_send=3, soon=3)
+    s = snap(rows=1, may_send=3)
     close, wait = decide(s, 100.0, LAUNCH_BOUND, 0.0, P, turnaround=0.0002)
     assert not close and wait == pytest.approx(0.0002)
     assert decide(s, 100.0, (0.0001, 0.0001), 0.0, P, turnaround=0.0002) == (True, 0.0)
