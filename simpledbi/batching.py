@@ -63,6 +63,7 @@ class Snapshot:
     waiting: int = 0     # rows of the batch's shape published and not taken (they did not fit)
     may_send: int = 0    # attached clients that could send a request now
     device_busy: bool = False   # the previous batch is still running on the device
+    newest: float = 0.0  # publish time of its newest request (0: same as oldest)
 
 
 def decide(s: Snapshot, now: float, cost: Optional[Tuple[float, float]], rate: float,
@@ -87,11 +88,13 @@ def decide(s: Snapshot, now: float, cost: Optional[Tuple[float, float]], rate: f
     fixed, per_row = cost
     room = limit - s.rows
     wait, gain = 0.0, 0.0
-    if turnaround is not None and turnaround <= budget:
+    if turnaround is not None:
         # Clients come back this fast after an answer (a closed loop): wait for those that may
-        # send -- just answered, or idle since.
-        k = min(s.may_send, room)
-        wait, gain = turnaround, _saved(k, turnaround, s.rows, fixed, per_row)
+        # send -- but only until twice that long after the newest arrival. An attached client
+        # that went quiet is then given up on, so it costs a batch at most 2 x turnaround.
+        w = max(s.newest, s.oldest) + 2.0 * turnaround - now
+        if MIN_WAIT < w <= budget:
+            wait, gain = w, _saved(min(s.may_send, room), w, s.rows, fixed, per_row)
     if rate > 0.0:
         w = min((fixed - s.rows / rate - s.rows * per_row) / 2.0,
                 (min(room, s.may_send)) / rate, budget)   # no gain past a full batch

@@ -98,6 +98,7 @@ class _Collecting:
     rows: int = 0
     limit: int = 0
     oldest: float = float("inf")
+    newest: float = 0.0
     waiting: int = 0      # rows of its shape seen pending that did not fit
     leftover: bool = False   # pending requests left for another process (other shape, no room)
 
@@ -152,6 +153,7 @@ class ModelServer:
         self.count_words = self.ctl.counters.view(np.int64).reshape(self.ctl.model_num, -1)[self.me]
         self.fatal = False
         self._rescan = True       # pending requests may be left from the last scan
+        self._first_seen: Dict[int, tuple] = {}   # slot -> (seq, when first seen pending)
         self._graph_step_at = time.monotonic()
         # INSTANCE.free: 1 while this process sleeps with nothing claimed or running. A peer whose
         # device is busy leaves new requests to it rather than claiming them for later.
@@ -237,6 +239,7 @@ class ModelServer:
                 try:
                     self.door.acquire(self.poll)
                     self._rescan = True  # the ring this consumed is news for _collect
+                    self._failed.clear()
                 except posix_ipc.BusyError:
                     if not self._maintenance():
                         break
@@ -294,19 +297,26 @@ class ModelServer:
         for slot, peer in list(self.peers.items()):
             if (state[slot] == 0 or token[slot] != peer.token) and not peer.inflight:
                 self._drop_peer(slot)
-        self._failed.clear()  # a failed claim is not retried within one poll interval, no longer
+        self._failed.clear()  # a failed claim is not retried before a ring or this, no longer
         self._rescan = True
+        seen, t = self._first_seen, self.table
+        for s in [s for s, (q, _) in seen.items() if t.state[s] != PUBLISHED or t.seq[s] != q]:
+            del seen[s]
         return True
 
     # ------------------------------------------------------------ claiming
     def _drain_doorbell(self) -> int:
-        """Take every pending ring of the doorbell; returns how many there were."""
+        """Take every pending ring of the doorbell; returns how many there were. A ring may be a
+        new request under a seq whose claim failed before (a forged hint): failed claims are
+        retried after every ring."""
         n = 0
         try:
             while True:
                 self.door.acquire(0)
                 n += 1
         except posix_ipc.BusyError:
+            if n and self._failed:
+                self._failed.clear()
             return n
 
     def _drop_peer(self, slot: int) -> None:
@@ -353,7 +363,7 @@ class ModelServer:
         may = int(np.count_nonzero(states == IDLE))
         if not pub.size:
             return [], may
-        failed = self._failed
+        failed, seen, now = self._failed, self._first_seen, time.monotonic()
         soon = 0
         if pub.size <= 16:  # the common case: a few numpy scalars beat a dozen vector operations
             seq, tok = t.seq, t.token
@@ -368,6 +378,9 @@ class ModelServer:
                         continue
                 if failed and failed.get(s) == (int(k), int(q)):
                     continue
+                first = seen.get(s)
+                if first is None or first[0] != q:
+                    seen[s] = (q, now)
                 out.append(s)
             return out, may + soon
         seqs, toks = t.seq[pub], t.token[pub]
@@ -375,9 +388,14 @@ class ModelServer:
         soon = int(np.count_nonzero(same & (self.claim_done[pub] == seqs)))
         keep = ~(same & (self.claim_seq[pub] == seqs))
         out = pub[keep].tolist()
+        qs = seqs[keep].tolist()
         if failed:
-            out = [s for s, k, q in zip(out, toks[keep].tolist(), seqs[keep].tolist())
-                   if failed.get(s) != (k, q)]
+            pairs = [(s, q) for s, k, q in zip(out, toks[keep].tolist(), qs) if failed.get(s) != (k, q)]
+            out, qs = [s for s, _ in pairs], [q for _, q in pairs]
+        for s, q in zip(out, qs):
+            first = seen.get(s)
+            if first is None or first[0] != q:
+                seen[s] = (q, now)
         return out, may + soon
 
     def _claim(self, slot: int, now: float) -> Optional[Request]:
@@ -396,6 +414,8 @@ class ModelServer:
             self._reject(peer, e.seq, str(e))
             return None
         write_claim(self.claim_words, slot, token, req.seq, self.me, self.pid)
+        first = self._first_seen.pop(slot, None)
+        req.t_seen = first[1] if first is not None else now
         if req.seq == peer.answered_seq + 1:  # its last request was answered by me: a sample
             self.turnaround.add(min(max(req.t_publish - peer.answered_at, 0.0), 0.1))
         if peer.mapping is not None:
@@ -419,6 +439,8 @@ class ModelServer:
         c.rows += req.rows
         if req.t_publish < c.oldest:
             c.oldest = req.t_publish
+        if req.t_publish > c.newest:
+            c.newest = req.t_publish
 
     def _fill(self, batch: List[Request], c: _Collecting, pending: List[int]) -> None:
         """Add requests to ``batch``: first ones I already claimed, then newly published ones of
@@ -426,7 +448,7 @@ class ModelServer:
         first next time: nobody is overtaken for good)."""
         c.waiting, c.leftover = 0, False
         if self.deferred:
-            self.deferred.sort(key=attrgetter("t_publish"))
+            self.deferred.sort(key=attrgetter("t_seen"))
             keep = []
             for r in self.deferred:
                 if c.key is None or (r.key == c.key and r.rows <= c.limit - c.rows):
@@ -443,11 +465,15 @@ class ModelServer:
             return
         t = self.table
         if len(pending) > 1:
+            # Oldest first by when this process first saw each request pending (a client cannot
+            # forge that); the client's publish-time hint only orders requests first seen together.
+            seen, hint = self._first_seen, t.t_publish
             if len(pending) > 32:
                 arr = np.asarray(pending)
-                pending = arr[np.argsort(t.t_publish[arr], kind="stable")].tolist()
+                first = np.fromiter((seen[s][1] for s in pending), np.float64, len(pending))
+                pending = arr[np.lexsort((hint[arr], first))].tolist()
             else:
-                pending = sorted(pending, key=t.t_publish.__getitem__)
+                pending = sorted(pending, key=lambda s: (seen[s][1], hint[s]))
         keys, nrows = t.key, t.nrows
         now = time.monotonic()
         claimed = 0
@@ -502,7 +528,7 @@ class ModelServer:
                 self._fill(batch, c, pending)
                 continue
             now = time.monotonic()
-            snap = batching.Snapshot(c.rows, c.oldest, c.waiting, may, device_busy)
+            snap = batching.Snapshot(c.rows, c.oldest, c.waiting, may, device_busy, c.newest)
             close, wait = batching.decide(snap, now, costs.fit(c.key), arrivals.rate(now), policy,
                                           c.limit, self.turnaround.value)
             if close or (snap.device_busy and self._peer_free()):

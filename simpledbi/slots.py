@@ -449,6 +449,7 @@ class Request:
     t_publish: float
     answered: bool = field(default=False)
     mapped: Optional[tuple] = None                # (mmap, address, size) when mapped for DMA
+    t_seen: float = 0.0                           # when the claiming process first saw it pending
 
     @property
     def slot(self) -> int:
@@ -500,7 +501,8 @@ class Peer:
             seq, rows, t = _SEQ_ROWS_T(raw, _SEQ_B)
             req = last[3]
             if 0 < seq < 2**62 and 1 <= rows <= limits.max_batch and \
-                    all(off + rows * per_row <= self.size for off, per_row in zip(req.offsets, last[4])):
+                    all(off + rows * per_row <= self.size and rows * per_row <= limits.max_request_bytes
+                        for off, per_row in zip(req.offsets, last[4])):
                 if not (now - limits.max_age <= t <= now):  # NaN fails this too
                     t = now
                 return Request(self, seq, rows, req.items, req.dtypes, req.offsets,

@@ -133,12 +133,24 @@ def test_rate_meter_tracks_a_steady_stream_and_decays_when_it_stops():
 
 def test_clients_about_to_send_again_are_waited_for_when_it_pays():
     """A closed loop: 3 clients were just answered and take ~0.2 ms to send again; one request is
-    here. A 4 ms fixed cost makes waiting 0.2 ms for them pay; a 0.1 ms one does not."""
-    s = snap(rows=1, may_send=3)
+    here (it just arrived). A 4 ms fixed cost makes waiting for them pay; a 0.1 ms one does not."""
+    s = snap(rows=1, oldest=100.0, may_send=3)
     close, wait = decide(s, 100.0, LAUNCH_BOUND, 0.0, P, turnaround=0.0002)
-    assert not close and wait == pytest.approx(0.0002)
+    assert not close and wait == pytest.approx(0.0004)
     assert decide(s, 100.0, (0.0001, 0.0001), 0.0, P, turnaround=0.0002) == (True, 0.0)
     # not past wait_time, and not for clients whose turnaround is unknown or too long
     assert decide(s, 100.0, LAUNCH_BOUND, 0.0, P, turnaround=None) == (True, 0.0)
     assert decide(s, 100.0, LAUNCH_BOUND, 0.0, P, turnaround=0.5) == (True, 0.0)
-    assert decide(s, 100.0099, LAUNCH_BOUND, 0.0, P, turnaround=0.0002) == (True, 0.0)
+    assert decide(snap(rows=1, oldest=99.9902, may_send=3), 100.0, LAUNCH_BOUND, 0.0, P,
+                  turnaround=0.0002) == (True, 0.0)
+
+
+def test_a_client_that_does_not_come_back_is_given_up_on_after_twice_the_turnaround():
+    """An attached client that went quiet still counts as 'may send': the batch waits for it only
+    until 2 x turnaround after its newest arrival, never up to wait_time."""
+    s = snap(rows=1, oldest=100.0, newest=100.0, may_send=1)
+    assert not decide(s, 100.0001, LAUNCH_BOUND, 0.0, P, turnaround=0.0002)[0]
+    assert decide(s, 100.0004, LAUNCH_BOUND, 0.0, P, turnaround=0.0002) == (True, 0.0)
+    # a newcomer extends the window
+    s2 = snap(rows=2, oldest=100.0, newest=100.0004, may_send=1)
+    assert not decide(s2, 100.0005, LAUNCH_BOUND, 0.0, P, turnaround=0.0002)[0]

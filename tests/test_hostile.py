@@ -418,3 +418,133 @@ def test_signals_during_a_call_are_not_errors(start_runtime):
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
     assert ticks  # the calls really were interrupted
+
+
+# ---------------------------------------------------------------- attacker's round 2 (issue 8)
+# Regressions for what a second attacker found in the adaptive batcher and the fast paths.
+_FORGE_OLD_HINTS = r"""
+import sys, threading, types, numpy as np
+import simpledbi.slots as slots
+from simpledbi import SharedModel
+slots.time = types.SimpleNamespace(monotonic=lambda: 1.0)   # every hint: published at t=1.0
+m = SharedModel('lb', max_shape=(1, 2), namespace=sys.argv[1])
+stop = False
+def loop():
+    x = np.ones((1, 2), np.float32)
+    while not stop:
+        m.forward(x, timeout=30)
+ts = [threading.Thread(target=loop) for _ in range(6)]
+for t in ts: t.start()
+print('RUNNING', flush=True)
+sys.stdin.read()
+stop = True
+for t in ts: t.join(30)
+m.close()
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_quiet_attached_slot_does_not_make_every_batch_wait(start_runtime):
+    """A handle that once had two calls in flight keeps an idle slot, which 'may send': the
+    adaptive batcher must not wait wait_time for it on every later call."""
+    rt = start_runtime(cpu_model("lb", models.launch_bound, max_batch_size=8, wait_time=0.2))
+    x = np.ones((1, 2), np.float32)
+
+    def median_latency(m):
+        lat = []
+        for _ in range(15):
+            t0 = time.monotonic()
+            np.testing.assert_array_equal(m.forward(x, timeout=10), x * 2 + 1)
+            lat.append(time.monotonic() - t0)
+        return float(np.median(lat[3:]))
+
+    with SharedModel("lb", max_shape=(1, 2), namespace=rt.namespace) as m:
+        alone = median_latency(m)
+        ts = [threading.Thread(target=m.forward, args=(x,)) for _ in range(2)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(30)
+        assert len(m._h.idle) == 2
+        after = median_latency(m)
+    assert after < alone + 0.05, (alone, after)
+
+
+@pytest.mark.timeout(120)
+def test_forged_old_publish_hints_cannot_starve_another_shape(start_runtime):
+    rt = start_runtime(cpu_model("lb", models.launch_bound, max_batch_size=2, wait_time=0.003))
+    pids = _pids(rt, "lb")
+    p = subprocess.Popen([sys.executable, "-c", _FORGE_OLD_HINTS, rt.namespace], cwd=ROOT,
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "RUNNING"
+        _wait_for(lambda: rt.ctls["lb"].counters["batches"].sum() > 20)
+        with SharedModel("lb", max_shape=(1, 3), namespace=rt.namespace) as honest:
+            x = np.ones((1, 3), np.float32)
+            for _ in range(5):
+                np.testing.assert_array_equal(honest.forward(x, timeout=3), x * 2 + 1)
+    finally:
+        p.stdin.close()
+        p.wait(60)
+    assert _pids(rt, "lb") == pids
+
+
+@pytest.mark.timeout(120)
+def test_a_forged_next_seq_in_a_victims_row_does_not_delay_it(start_runtime):
+    """The attacker publishes the victim's next seq under its token (both readable in the table)
+    while the victim is idle: the failed claim must not make the model skip the real request."""
+    from simpledbi.layout import IDLE
+    rt = start_runtime(cpu_model("affine", models.affine, max_batch_size=4))
+    pids = _pids(rt, "affine")
+    attacker = SharedModel("affine", max_shape=(1, 2), namespace=rt.namespace)
+    t = attacker._h.table
+    victim = SharedModel("affine", max_shape=(1, 2), namespace=rt.namespace)
+    x = np.ones((1, 2), np.float32)
+    victim.forward(x, timeout=5)
+    vi = victim._h.idle[0].index
+    stop = threading.Event()
+
+    def forge():
+        last = -1
+        while not stop.is_set():
+            if t.state[vi] == IDLE and int(t.seq[vi]) != last:
+                last = int(t.seq[vi])
+                t.seq[vi] = last + 1
+                t.state[vi] = PUBLISHED
+                attacker._h.doorbell.release()
+            stop.wait(0.0002)  # the attacker's polling loop
+
+    th = threading.Thread(target=forge)
+    th.start()
+    lat = []
+    try:
+        for _ in range(10):
+            stop.wait(0.01)  # the victim's think time: the attacker forges meanwhile
+            t0 = time.monotonic()
+            np.testing.assert_array_equal(victim.forward(x, timeout=10), x * 2 + 1)
+            lat.append(time.monotonic() - t0)
+    finally:
+        stop.set()
+        th.join(10)
+    victim.close()
+    attacker.close()
+    assert _pids(rt, "affine") == pids
+    assert np.median(lat) < 0.05, lat
+
+
+def test_the_header_fast_path_keeps_the_per_request_byte_bound(start_runtime):
+    from simpledbi.slots import BadRequest, Limits, Peer
+    rt = start_runtime(cpu_model("affine", models.affine, max_batch_size=4))
+    with SharedModel("affine", max_shape=(4, 20), namespace=rt.namespace) as m:
+        m.forward(np.ones((1, 20), np.float32))
+        s = _idle_slot(m)
+        peer = Peer(rt.namespace, "affine", s.index, s.token)   # what a model process sees
+        try:
+            lim = Limits(max_batch=4, max_request_bytes=100)    # 80 bytes a row
+            s._r_rows[0], s._r_seq[0], s._r_t[0] = 1, 100, time.monotonic()
+            peer.read_request(lim, 100, time.monotonic())        # validated in full, remembered
+            s._r_rows[0], s._r_seq[0] = 4, 101
+            with pytest.raises(BadRequest, match="more than the 100"):
+                peer.read_request(lim, 101, time.monotonic())    # the same header, more rows
+        finally:
+            peer.close()
