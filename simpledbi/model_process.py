@@ -75,13 +75,13 @@ def model_process_main(spec: ModelProcessSpec, conn) -> None:
         conn.send(("failed", f"{type(e).__name__}: {_safe_str(e)}", traceback.format_exc()))
         conn.close()
         os._exit(1)
-    conn.send(("ready", {"pid": os.getpid(), "device": str(server.engine.device)}))
-    conn.close()
-    logger.debug("%s serving on %s", server.tag, server.engine.device)
     # Everything loaded so far (torch, the model) lives as long as the process: keep it out of
     # the garbage collector's full passes, which otherwise stall a batch for tens of ms.
     gc.collect()
     gc.freeze()
+    conn.send(("ready", {"pid": os.getpid(), "device": str(server.engine.device)}))
+    conn.close()
+    logger.debug("%s serving on %s", server.tag, server.engine.device)
     try:
         server.serve()
     finally:
