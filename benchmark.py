@@ -28,7 +28,7 @@ import numpy as np
 import posix_ipc
 
 from simpledbi import ModelConfig, RuntimeOptions, SharedModel
-from simpledbi.shm import Segment, new_namespace
+from simpledbi.shm import Segment, new_namespace, sweep_namespace
 from simpledbi.layout import B_FIELDS
 from simpledbi.mps import CONTROL, PrivateDaemon
 from simpledbi.stats import STAGES
@@ -93,6 +93,8 @@ class StartLine:
             if self.owner:
                 sem.unlink()
             sem.close()
+        if self.owner:
+            sweep_namespace(self.prefix)  # its directory and anything else under its name
         if self.owner:
             self.seg.unlink()
 

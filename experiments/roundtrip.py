@@ -22,7 +22,7 @@ import posix_ipc
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from simpledbi import ModelConfig, Run, RuntimeOptions, SharedModel  # noqa: E402
-from simpledbi.shm import new_namespace  # noqa: E402
+from simpledbi.shm import new_namespace, sweep_namespace  # noqa: E402
 
 
 def _pong(prefix: str, n: int) -> None:
@@ -52,6 +52,7 @@ def semaphore_pingpong(n: int) -> np.ndarray:
         for s in (ping, pong):
             s.unlink()
             s.close()
+        sweep_namespace(prefix[1:])  # the namespace directory new_namespace made
 
 
 def identity():
