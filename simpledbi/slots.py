@@ -498,7 +498,7 @@ class Peer:
                 raw[_NIN_B:_T_B] == last[2]:
             # Same shapes, dtypes and offsets as the last request validated here: only seq, rows
             # and the publish time are new (the common case: a client sends alike requests).
-            seq, rows, t = _SEQ_ROWS_T(raw, _SEQ_B)
+            seq, rows, t = _seq_rows_t(raw, _SEQ_B)
             req = last[3]
             if 0 < seq < 2**62 and 1 <= rows <= limits.max_batch and \
                     all(off + rows * per_row <= self.size and rows * per_row <= limits.max_request_bytes
@@ -736,6 +736,6 @@ _SEQ_B, _NIN_B, _T_B, _STATIC_B = 8 * _RQ_SEQ, 8 * _RQ_NIN, 8 * _RQ_T, 8 * _RQ_D
 _seq_rows = struct.Struct("<qq")
 
 
-def _SEQ_ROWS_T(raw: bytes, at: int) -> Tuple[int, int, float]:
+def _seq_rows_t(raw: bytes, at: int) -> Tuple[int, int, float]:
     seq, rows = _seq_rows.unpack_from(raw, at)
     return seq, rows, _F64.unpack_from(raw, _T_B)[0]
