@@ -25,8 +25,10 @@ match is pinned with a pidfd and checked again, so a pid reused in between is ne
 from __future__ import annotations
 
 import collections
+import glob
 import logging
 import os
+import re
 import select
 import shutil
 import signal
@@ -194,6 +196,34 @@ class PrivateDaemon:
             for fd in pinned.values():
                 os.close(fd)
             shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def sweep_dead_daemons(timeout: float = 5.0) -> int:
+    """Stop the private daemons of runtimes that are gone (their main process and janitor killed
+    together) and remove their directories: the directory's name holds its creator's pid. Only
+    directories of this user; only processes whose environment names their pipe directory."""
+    swept = 0
+    for path in glob.glob(os.path.join(tempfile.gettempdir(), "sdbi_mps_*_*")):
+        m = re.match(r"sdbi_mps_(\d+)_", os.path.basename(path))
+        try:
+            if not m or os.stat(path).st_uid != os.getuid() or _alive(int(m.group(1))):
+                continue
+        except OSError:
+            continue
+        logger.info("stopping the CUDA MPS daemon a dead runtime (pid %s) left in %s", m.group(1), path)
+        PrivateDaemon(shutil.which(CONTROL) or CONTROL, path).stop(timeout)
+        swept += 1
+    return swept
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
 
 
 def _is_ours(pid: int, pipe_dir: str) -> bool:

@@ -123,6 +123,8 @@ class Runtime:
         self._started = True
         try:
             sweep_dead_namespaces()
+            if mps.wanted(self.options.mps, self.models):
+                mps.sweep_dead_daemons()   # what runtimes killed with their janitor left
             self.namespace = new_namespace()
             self._start_janitor()
             self.mps = mps.start_for(self.options.mps, self.models, self._adopt_mps_daemon)

@@ -372,3 +372,29 @@ def test_auto_with_cpu_models_starts_nothing(fake_mps, caplog):
         assert rt.mps.env == {}
         _serves(rt, "m")
     assert _daemons(fake_mps) == {} and _mps_records(caplog) == []
+
+
+@pytest.mark.timeout(60)
+def test_a_daemon_left_by_a_runtime_killed_with_its_janitor_is_swept(fake_mps):
+    """Main process and janitor SIGKILLed together: nobody quit the daemon. The next runtime
+    that wants MPS stops it and removes its directory; a live owner's directory is left alone."""
+    code = ("import os, shutil\n"
+            "from simpledbi import mps\n"
+            "d = mps.PrivateDaemon.create(shutil.which(mps.CONTROL))\n"
+            "d.start()\n"
+            "print(d.directory, flush=True)\n"
+            "os._exit(0)\n")                      # dies without stopping it
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         timeout=30)
+    directory = out.stdout.strip()
+    assert os.path.isdir(directory), out.stderr
+    (daemon,) = _daemons(fake_mps)
+    assert not _exited(daemon, 0)
+    mine = mps.PrivateDaemon.create(shutil.which(mps.CONTROL))  # owner alive: not swept
+    try:
+        assert mps.sweep_dead_daemons(timeout=5.0) == 1
+        assert os.path.isdir(mine.directory)
+    finally:
+        mine.stop(timeout=1.0)
+    assert _exited(daemon, 10) and _daemons(fake_mps) == {daemon: ["started", "quit"]}
+    assert not os.path.exists(directory)
