@@ -361,6 +361,35 @@ def format_report(r: dict, baseline: Optional[dict] = None) -> str:
     return "\n".join(lines)
 
 
+def plot_latency(series, path: str, hline_ms: Optional[float] = None) -> None:
+    """Latency (p50 and p99, log scale) against offered load, one pair of lines per series:
+    ``series`` is [(label, rows)] with each row holding "offered" and "latency_ms". Needs
+    matplotlib (the ``bench`` extra): without it, says so and draws nothing."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install -e .[bench])")
+        return
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for label, rows in series:
+        if not rows:
+            continue
+        for q, style in (("p50", "-o"), ("p99", "--x")):
+            ax.plot([r["offered"] for r in rows], [r["latency_ms"][q] for r in rows], style,
+                    label=f"{label}, {q}")
+    if hline_ms is not None:
+        ax.axhline(hline_ms, color="gray", lw=0.8)
+    ax.set_yscale("log")
+    ax.set_xlabel("offered load, images/s (Poisson)")
+    ax.set_ylabel("latency, ms (from arrival)")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def ensure_model(path: str, tiny: bool) -> str:
     if path:
         return path

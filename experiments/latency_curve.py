@@ -64,33 +64,11 @@ def main():
             with open(a.out + ".json", "w") as f:  # after every point: a cut-short run keeps them
                 json.dump({"plain_workers": a.plain_workers, "plain_workers_b": a.plain_workers_b,
                            "dynamic_workers": a.dynamic_workers, "rows": rows}, f, indent=2)
-    try:
-        plot(rows, a, a.out + ".png")
-    except ImportError:
-        print("matplotlib is not installed: no plot (pip install -e .[bench])")
-
-
-def plot(rows, a, path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(8, 5))
     labels = {"plain": f"plain PyTorch, batch 1, {a.plain_workers} processes",
               "plain_b": f"plain PyTorch, batch 1, {a.plain_workers_b} processes",
               "fixed": "simpledbi, fixed wait (0.1 policy)", "adaptive": "simpledbi, adaptive (default)"}
-    for mode, label in labels.items():
-        sel = [r for r in rows if r["mode"] == mode]
-        if not sel:
-            continue
-        for q, style in (("p50", "-o"), ("p99", "--x")):
-            ax.plot([r["offered"] for r in sel], [r["latency_ms"][q] for r in sel], style, label=f"{label} {q}")
-    ax.set_yscale("log")
-    ax.set_xlabel("offered load, images/s (Poisson)")
-    ax.set_ylabel("latency, ms (from arrival)")
-    ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    benchmark.plot_latency([(label, [r for r in rows if r["mode"] == mode])
+                            for mode, label in labels.items()], a.out + ".png")
 
 
 if __name__ == "__main__":

@@ -45,26 +45,9 @@ def main():
                   f"/{rs.get('requests')}", flush=True)
             with open(a.out + ".json", "w") as f:  # after every point: a cut-short run keeps them
                 json.dump({"target_s": a.target, "rows": rows}, f, indent=2)
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no plot (pip install -e .[bench])")
-        return
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for target, label in ((a.target, f"latency_target={a.target * 1e3:.0f} ms"), (0.0, "no target")):
-        sel = [r for r in rows if r["target"] == target]
-        ax.plot([r["offered"] for r in sel], [r["latency_ms"]["p99"] for r in sel], "-o", label=f"{label}, p99")
-        ax.plot([r["offered"] for r in sel], [r["latency_ms"]["p50"] for r in sel], "--x", label=f"{label}, p50")
-    ax.axhline(a.target * 1e3, color="gray", lw=0.8)
-    ax.set_yscale("log")
-    ax.set_xlabel("offered load, images/s (Poisson)")
-    ax.set_ylabel("latency, ms")
-    ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(a.out + ".png", dpi=110)
+    benchmark.plot_latency(
+        [(f"latency_target={a.target * 1e3:.0f} ms", [r for r in rows if r["target"] == a.target]),
+         ("no target", [r for r in rows if r["target"] == 0.0])], a.out + ".png", hline_ms=a.target * 1e3)
 
 
 if __name__ == "__main__":
