@@ -17,6 +17,7 @@ from .config import ModelConfig, RuntimeOptions
 from .errors import (ModelError, ModelProcessDied, RuntimeStopped, SimpleDBIError, SlotsExhausted,
                      WorkerError)
 from .runtime import Run, Runtime
+from .status import inspect
 
 __all__ = [
     "Run",
@@ -30,6 +31,7 @@ __all__ = [
     "RuntimeStopped",
     "SlotsExhausted",
     "WorkerError",
+    "inspect",
 ]
 __version__ = "0.2.0"
 

@@ -9,6 +9,9 @@ timeout, which are lent again only once it has arrived).
 """
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import functools
 import logging
 import os
 import sys
@@ -19,6 +22,7 @@ from typing import List, Optional, Tuple
 
 import numpy as np
 
+from . import naming
 from . import stats as _stats
 from .errors import ModelError, ModelProcessDied, RuntimeStopped
 from .layout import (
@@ -32,6 +36,26 @@ logger = logging.getLogger(__name__)
 
 ENV_NAMESPACE = "SIMPLEDBI_NAMESPACE"
 _live_clients: "weakref.WeakSet[SharedModel]" = weakref.WeakSet()
+
+
+#: Threads the async waiters may use at most (each waits for one call in flight; threads are
+#: made only when every earlier one is busy, so a process has as many as its peak concurrency).
+_ASYNC_MAX_THREADS = 4096
+_async_pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
+_async_pool_pid = 0
+_async_pool_lock = threading.Lock()
+
+
+def _async_executor() -> concurrent.futures.ThreadPoolExecutor:
+    """The process's executor for ``forward_async``: it grows with the calls in flight, so any
+    number of concurrent coroutines can be batched together without sizing anything."""
+    global _async_pool, _async_pool_pid
+    with _async_pool_lock:
+        if _async_pool is None or _async_pool_pid != os.getpid():  # a forked child has no threads
+            _async_pool = concurrent.futures.ThreadPoolExecutor(
+                max_workers=_ASYNC_MAX_THREADS, thread_name_prefix="simpledbi-async")
+            _async_pool_pid = os.getpid()
+        return _async_pool
 
 
 def close_all_clients() -> None:
@@ -76,10 +100,17 @@ class SharedModel:
     smaller in every dimension. Give a list of shapes for a model with several inputs, and
     ``dtype`` (one, or one per input) when inputs are not float32. Safe to share between threads
     and to keep across ``fork`` (a child gets slots of its own).
+
+    Which runtime: ``namespace=`` (``Runtime.namespace``), else ``runtime=`` (a runtime started
+    with a name, e.g. ``simpledbi serve --name myapp``), else the one that started this process
+    (``Run``), else ``$SIMPLEDBI_RUNTIME``. A client attached by name waits up to
+    ``connect_timeout`` seconds for that runtime to come up, and when it restarts, re-attaches on
+    the next call.
     """
 
-    def __init__(self, name: str, max_shape, dtype=None, *, namespace: Optional[str] = None,
-                 poll_interval: float = 0.5):
+    def __init__(self, name: str, max_shape, dtype=None, *, runtime: Optional[str] = None,
+                 namespace: Optional[str] = None, poll_interval: float = 0.5,
+                 connect_timeout: float = 30.0):
         if not isinstance(name, str):
             raise TypeError(f"name: expected str, got {type(name).__name__}")
         self.name = name
@@ -101,16 +132,27 @@ class SharedModel:
         if not (isinstance(poll_interval, (int, float)) and 0.001 <= poll_interval <= 60):
             raise ValueError(f"poll_interval: expected 0.001..60 seconds, got {poll_interval!r}")
         self.poll_interval = float(poll_interval)
-        self.namespace = namespace or os.environ.get(ENV_NAMESPACE)
-        if not self.namespace:
-            raise LookupError("no simpledbi runtime here: create SharedModel inside a worker "
-                              f"started by simpledbi.Run, or pass namespace= (or set ${ENV_NAMESPACE})")
-        self._h = _Handles.open(self.namespace, name)
-        max_batch = int(self._h.ctl.hdr["max_batch"])
-        if self.max_rows > max_batch:
-            self._h.release()
-            raise ValueError(f"max_shape has {self.max_rows} rows but model {name!r} has "
-                             f"max_batch_size={max_batch}: a request must fit in one batch")
+        if not (isinstance(connect_timeout, (int, float)) and connect_timeout >= 0):
+            raise ValueError(f"connect_timeout: expected seconds >= 0, got {connect_timeout!r}")
+        self.connect_timeout = float(connect_timeout)
+        #: The runtime's name when attached by name (re-attached after a restart), else None.
+        self.runtime = None
+        if namespace is None and runtime is None:
+            namespace = os.environ.get(ENV_NAMESPACE) or None
+            runtime = None if namespace else os.environ.get(naming.ENV_RUNTIME) or None
+        if namespace is None and runtime is None:
+            raise LookupError("no simpledbi runtime here: pass runtime='<name>' (a runtime "
+                              "started with a name, e.g. `simpledbi serve --name <name>`), set "
+                              f"${naming.ENV_RUNTIME}, or create SharedModel inside a worker started "
+                              "by simpledbi.Run")
+        if runtime is not None:
+            self.runtime = naming.check_name(runtime)
+            self._h = self._connect(time.monotonic() + self.connect_timeout)
+        else:
+            self._h = _Handles.open(namespace, name)
+            self._check_fits(self._h)
+        self.namespace = self._h.namespace
+        self._attach_lock = threading.Lock()
         self._local = threading.local()
         self._closed = False
         # Detach on close(), at worker exit, or when the handle is garbage-collected: an attached
@@ -127,6 +169,58 @@ class SharedModel:
     def ctl(self) -> ControlBlock:
         return self._h.ctl
 
+    def _check_fits(self, h: "_Handles") -> None:
+        max_batch = int(h.ctl.hdr["max_batch"])
+        if self.max_rows > max_batch:
+            h.release()
+            raise ValueError(f"max_shape has {self.max_rows} rows but model {self.name!r} has "
+                             f"max_batch_size={max_batch}: a request must fit in one batch")
+
+    def _connect(self, deadline: float, avoid: Optional[str] = None) -> "_Handles":
+        """Attach to the runtime named ``self.runtime`` (not to namespace ``avoid``: the one
+        that went away), waiting for it to come up until ``deadline``."""
+        pause = 0.01
+        while True:
+            reg = naming.resolve(self.runtime)
+            if reg is not None and reg.namespace != avoid:
+                if self.name not in reg.models:
+                    raise LookupError(f"runtime {self.runtime!r} serves {list(reg.models)}, not "
+                                      f"{self.name!r}")
+                try:
+                    h = _Handles.open(reg.namespace, self.name)
+                except (LookupError, RuntimeError, OSError):
+                    h = None  # still creating its files, or gone again: look once more
+                if h is not None:
+                    self._check_fits(h)
+                    return h
+            left = deadline - time.monotonic()
+            if left <= 0:
+                what = "came back" if avoid else "is running"
+                raise RuntimeStopped(
+                    f"no simpledbi runtime named {self.runtime!r} {what} within the connect "
+                    f"timeout ({self.connect_timeout:g} s); start it with `simpledbi serve "
+                    f"--name {self.runtime} ...` or Runtime(models, name={self.runtime!r})")
+            # Connecting is rare (start-up, a runtime restart): a short backed-off poll of the
+            # registration file costs nothing while requests flow.
+            time.sleep(min(pause, left))
+            pause = min(pause * 2, 0.2)
+
+    def _reattach(self, old: "_Handles", deadline: Optional[float]) -> "_Handles":
+        """The runtime ``old`` belongs to is stopping or gone: attach to its successor."""
+        with self._attach_lock:
+            if self._h is not old:  # another thread did it
+                return self._h
+            limit = time.monotonic() + self.connect_timeout
+            new = self._connect(limit if deadline is None else min(limit, deadline), avoid=old.namespace)
+            self._finalizer.detach()
+            self._h = new
+            self.namespace = new.namespace
+            self._finalizer = weakref.finalize(self, new.release)
+        old.release()
+        logger.info("SharedModel(%r) re-attached to runtime %r (%s)", self.name, self.runtime,
+                    new.namespace)
+        return new
+
     # ------------------------------------------------------------ public API
     def forward(self, *inputs, timeout: Optional[float] = None):
         """Run the model on ``inputs`` (numpy arrays or CPU torch tensors), batched with others.
@@ -139,6 +233,8 @@ class SharedModel:
             raise ValueError(f"timeout: expected None or seconds >= 0, got {timeout!r}")
         deadline = None if timeout is None else time.monotonic() + timeout
         h = self._h
+        if self.runtime is not None and (h.gone or h.ctl.state >= STOPPING and h.ctl.state != BROKEN):
+            h = self._reattach(h, deadline)
         slot = h.borrow(self)
         try:
             outs, structure = self._call(slot, arrays, deadline)
@@ -150,6 +246,15 @@ class SharedModel:
         return tuple(outs) if structure == OUT_TUPLE else outs[0]
 
     __call__ = forward
+
+    async def forward_async(self, *inputs, timeout: Optional[float] = None, **kw_inputs):
+        """``await``-able :meth:`forward`: the event loop never blocks, and concurrent coroutines
+        of one process are batched together (each call waits in a thread of a pool that grows
+        with the calls in flight). Cancelling the coroutine abandons the call's result; its slot
+        is lent again once the answer has arrived."""
+        loop = asyncio.get_running_loop()
+        call = functools.partial(self.forward, *inputs, timeout=timeout, **kw_inputs)
+        return await loop.run_in_executor(_async_executor(), call)
 
     def last_timing(self) -> dict:
         """Where the calling thread's last request spent its time (seconds, ``time.monotonic``
@@ -189,9 +294,8 @@ class SharedModel:
 
     # ------------------------------------------------------------ one call
     def _call(self, slot: ClientSlot, arrays: List[np.ndarray], deadline: Optional[float]):
-        ctl = self._h.ctl
-        if ctl.state >= STOPPING:
-            self._raise_runtime_state()
+        if slot.ctl.state >= STOPPING:
+            self._raise_runtime_state(slot.ctl)
         seq = slot.publish(arrays)
         try:
             return self._await(slot, seq, deadline)
@@ -235,12 +339,14 @@ class SharedModel:
 
     def _check_alive(self, slot: ClientSlot, seq: int) -> None:
         """After a poll interval without an answer: is anyone still going to answer?"""
-        ctl = self._h.ctl
+        ctl = slot.ctl
         state = ctl.state
         if state == BROKEN:
-            self._raise_runtime_state()
+            self._raise_runtime_state(ctl)
         supervisor = int(ctl.hdr["supervisor_pid"])
         if supervisor and not pid_alive(supervisor):
+            if slot.namespace == self._h.namespace:
+                self._h.gone = True  # the next call re-attaches (by name) or fails at once
             if not slot.withdraw():
                 slot.stale_seq = seq
             raise RuntimeStopped(f"model {self.name!r}: the runtime (pid {supervisor}) is gone")
@@ -254,7 +360,7 @@ class SharedModel:
             return
         if state == STOPPING:
             if slot.withdraw():
-                self._raise_runtime_state()
+                self._raise_runtime_state(ctl)
             return
         if slot.ready.value == 0:
             # Taken, but no claim recorded: either it is being recorded right now (microseconds),
@@ -270,8 +376,7 @@ class SharedModel:
         slot.lost_at = 0.0
         slot.repair_hint(seq)
 
-    def _raise_runtime_state(self):
-        ctl = self._h.ctl
+    def _raise_runtime_state(self, ctl: ControlBlock):
         if ctl.state == BROKEN:
             raise ModelProcessDied(ctl.message() or f"model {self.name!r}: the runtime is broken",
                                    int(ctl.hdr["broken_code"]) or None)
@@ -343,6 +448,7 @@ class _Handles:
         self.busy: set = set()
         self.creating = 0          # slots being attached right now (outside the lock)
         self.closed = False
+        self.gone = False          # its runtime's main process was seen dead
 
     @classmethod
     def open(cls, namespace: str, name: str) -> "_Handles":

@@ -15,13 +15,15 @@ import select
 import signal
 import time
 
+from .layout import STOPPING, ControlBlock
 from .mps import PrivateDaemon
-from .shm import sweep_namespace
+from .naming import unregister
+from .shm import SHM_DIR, sweep_namespace
 
 
 def janitor_main(namespace: str, conn, grace: float) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    workers, models, daemons = set(), set(), []
+    workers, models, daemons, registrations = set(), set(), [], []
     orphaned = False
     while True:
         try:
@@ -38,9 +40,14 @@ def janitor_main(namespace: str, conn, grace: float) -> None:
             daemons.append(PrivateDaemon(msg[1], msg[2]))
         elif kind == "gone":  # a model process that died and was replaced
             models.discard(msg[1])
+        elif kind == "registration":  # the runtime's name (naming.py)
+            registrations.append(msg[1])
         elif kind == "done":
             break
     if orphaned:
+        for path in registrations:
+            unregister(path, namespace)
+        _mark_stopping(namespace)  # attached clients see it at once, and named ones re-attach
         for pid in workers:
             _signal(pid, signal.SIGTERM)
         _wait_all(models | workers, grace)
@@ -50,6 +57,23 @@ def janitor_main(namespace: str, conn, grace: float) -> None:
         for daemon in daemons:
             daemon.stop(grace)
     sweep_namespace(namespace)
+
+
+def _mark_stopping(namespace: str) -> None:
+    try:
+        entries = os.listdir(os.path.join(SHM_DIR, namespace))
+    except OSError:
+        return
+    for entry in entries:
+        if entry.endswith(".ctl"):
+            try:
+                ctl = ControlBlock.attach(namespace, entry[:-4], readonly=False)
+            except (OSError, RuntimeError, ValueError):
+                continue
+            try:
+                ctl.set_state(STOPPING)
+            finally:
+                ctl.close()
 
 
 def _signal(pid: int, sig: int) -> None:

@@ -26,7 +26,7 @@ import numpy as np
 from .shm import Segment, ns_path
 
 MAGIC = 0x31494244535F  # "_SDBI1"
-VERSION = 2
+VERSION = 3
 MAX_IO = 8          # inputs and outputs per request
 MAX_NDIM = 8        # dimensions of one item (an input or output row)
 MAX_DIM = 2**31     # largest single dimension accepted from a client
@@ -65,10 +65,15 @@ def shape_key(dtype_codes: Sequence[int], item_shapes: Sequence[Sequence[int]]) 
 
 
 # ---------------------------------------------------------------- control block (<m>.ctl)
-# model states
-STARTING, RUNNING, STOPPING, BROKEN = 0, 1, 2, 3
+# model states. DRAINING (numbered after the others: clients refuse new requests at state >=
+# STOPPING) lets model processes finish what was published before the runtime stops.
+STARTING, RUNNING, STOPPING, BROKEN, DRAINING = 0, 1, 2, 3, 4
+STATE_NAMES = {STARTING: "starting", RUNNING: "running", STOPPING: "stopping", BROKEN: "broken",
+               DRAINING: "draining"}
 # instance states
 INST_LOADING, INST_READY, INST_DEAD, INST_RESTARTING = 0, 1, 2, 3
+INST_STATE_NAMES = {INST_LOADING: "loading", INST_READY: "ready", INST_DEAD: "dead",
+                    INST_RESTARTING: "restarting"}
 
 HEADER = np.dtype([
     ("magic", "<u8"), ("version", "<i8"), ("state", "<i8"), ("max_slots", "<i8"),
@@ -93,6 +98,15 @@ B_FIELDS = ("t_close", "rows", "requests", "queue_wait", "gather", "h2d", "forwa
             "scatter", "runtime", "t_end")
 RING = 4096
 MSG_BYTES = 4096
+# Histograms kept by each model process (status, Prometheus): per request latency (publish to
+# answer) and queue time (publish to batch close), per batch compute time (close to answered),
+# all in LAT_BOUNDS buckets (upper bounds, seconds; then a +inf bucket, then the sum of the
+# observations in nanoseconds at H_SUM); and batch sizes, exact up to BATCH_HIST_MAX rows (index n
+# = n rows; index 0 = larger batches).
+LAT_BOUNDS = tuple(round(1e-4 * 2 ** (k / 2), 7) for k in range(0, 40))   # 100 us .. 74 s
+H_LATENCY, H_QUEUE, H_COMPUTE = 0, 1, 2
+H_SUM = len(LAT_BOUNDS) + 1
+BATCH_HIST_MAX = 128
 
 
 def _parts(max_slots: int, model_num: int):
@@ -104,6 +118,8 @@ def _parts(max_slots: int, model_num: int):
         "claims": part(CLAIM, (max_slots,)),
         "counters": part(COUNTERS, (model_num,)),
         "ring": part(np.float64, (model_num, RING, len(B_FIELDS))),
+        "hist": part(np.int64, (model_num, 3, H_SUM + 1)),
+        "batch_hist": part(np.int64, (model_num, BATCH_HIST_MAX + 1)),
         "msg": part(np.uint8, (MSG_BYTES,)),
     }
 
@@ -111,7 +127,7 @@ def _parts(max_slots: int, model_num: int):
 class ControlBlock:
     """Views into one model's control file. Clients attach it read-only."""
 
-    PARTS = ("header", "instances", "claims", "counters", "ring", "msg")
+    PARTS = ("header", "instances", "claims", "counters", "ring", "hist", "batch_hist", "msg")
 
     def __init__(self, seg: Segment, max_slots: int, model_num: int):
         self.seg = seg

@@ -23,9 +23,10 @@ import os
 import signal
 import time
 import traceback
+from bisect import bisect_left
 from dataclasses import dataclass, field
 from operator import attrgetter
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 import posix_ipc
@@ -33,10 +34,11 @@ import posix_ipc
 from . import batching
 from .config import ModelConfig, RuntimeOptions
 from .layout import (
-    B_FIELDS, COUNTERS, INST_DEAD, INST_READY, MAX_IO, MAX_NDIM, OUT_TENSOR, OUT_TUPLE, PUBLISHED, IDLE, RING,
-    ST_BAD_REQUEST, ST_INTERNAL, ST_MODEL_ERROR, ST_OK, ST_STOPPED, STOPPING, ControlBlock, SlotTable,
+    B_FIELDS, BATCH_HIST_MAX, COUNTERS, H_COMPUTE, H_LATENCY, H_QUEUE, H_SUM, LAT_BOUNDS, INST_DEAD, INST_READY, MAX_IO, MAX_NDIM, OUT_TENSOR, OUT_TUPLE, PUBLISHED, IDLE, RING,
+    ST_BAD_REQUEST, ST_INTERNAL, ST_MODEL_ERROR, ST_OK, ST_STOPPED, STOPPING, DRAINING, ControlBlock, SlotTable,
     doorbell_name, dtype_code,
 )
+from .logs import install_child_handler
 from .shm import open_semaphore
 from .slots import BadRequest, Limits, Peer, Request, claim_words, mark_answered, write_claim
 
@@ -46,7 +48,7 @@ assert B_FIELDS == ("t_close", "rows", "requests", "queue_wait", "gather", "h2d"
 _C_REQUESTS, _C_BATCHES, _C_ROWS, _C_HEAD, _C_OVER = (
     COUNTERS.fields[n][1] // 8 for n in ("requests", "batches", "rows", "ring_head", "over_target"))
 _BUSY_POLL = 0.0002
-_GRAPH_FORCE_AFTER = 1.0  # seconds without an idle moment before a CUDA graph is captured anyway  # seconds between device checks while collecting behind a running batch
+_GRAPH_FORCE_AFTER = 1.0  # seconds without an idle moment before a CUDA graph is captured anyway
 
 
 @dataclass(frozen=True)
@@ -61,11 +63,15 @@ class ModelProcessSpec:
     cpu_model_procs: int = 1
     #: Variables for this process only: the runtime's private CUDA MPS daemon (mps.py).
     env: Dict[str, str] = field(default_factory=dict)
+    #: Where this process's log records go (logs.py), and from which level.
+    log_conn: Any = None
+    log_level: int = logging.WARNING
 
 
 def model_process_main(spec: ModelProcessSpec, conn) -> None:
     """Child entry point. Reports ("ready", info) or ("failed", ...) on ``conn``."""
     os.environ.update(spec.env)  # first: the CUDA driver reads CUDA_MPS_* once, when it initialises
+    install_child_handler(spec.log_conn, f"<{spec.config.name}|{spec.instance}>", spec.log_level)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when to stop
     faulthandler.enable()
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>` dumps stacks
@@ -151,6 +157,11 @@ class ModelServer:
         self.claim_words = claim_words(self.ctl)
         self.counters = self.ctl.counters[self.me]
         self.count_words = self.ctl.counters.view(np.int64).reshape(self.ctl.model_num, -1)[self.me]
+        hist = self.ctl.hist[self.me]
+        # int64 memoryviews: an element += 1 costs a fraction of a numpy scalar's
+        self.h_latency, self.h_queue, self.h_compute = (
+            memoryview(hist[k]).cast("B").cast("q") for k in (H_LATENCY, H_QUEUE, H_COMPUTE))
+        self.h_batch = memoryview(self.ctl.batch_hist[self.me]).cast("B").cast("q")
         self.fatal = False
         self._rescan = True       # pending requests may be left from the last scan
         self._first_seen: Dict[int, tuple] = {}   # slot -> (seq, when first seen pending)
@@ -199,7 +210,8 @@ class ModelServer:
         inflight: Optional[_InFlight] = None
         while not self.fatal:
             try:
-                if int(self.ctl.hdr["state"]) >= STOPPING:
+                state = int(self.ctl.hdr["state"])
+                if state >= STOPPING and state != DRAINING:  # draining: serve what was published
                     break
                 if self.engine.graphs_pending and not self.deferred and \
                         time.monotonic() - self._graph_step_at > _GRAPH_FORCE_AFTER:
@@ -283,6 +295,8 @@ class ModelServer:
             self.ctl.instances[self.me]["state"] = INST_DEAD
         except Exception:  # noqa: BLE001
             pass
+        for view in (self.h_latency, self.h_queue, self.h_compute, self.h_batch):
+            view.release()
         self.door.close()
         self.table.close()
         self.ctl.close()
@@ -599,20 +613,26 @@ class ModelServer:
                 error = e
         t_scatter = time.monotonic()
         short = flight.gather.short
+
+        def settle():  # after the answers are written, before anyone is woken (see _answer)
+            t_end = time.monotonic()
+            if error is None:  # what this batch cost, for the batching policy
+                tm = result.times
+                self.costs.observe(batch[0].key, total, tm.h2d + tm.forward + tm.d2h
+                                   if self.engine.cuda else t_end - t_close)
+            self._account(batch, total, t_close, t_scatter, t_end, result, error is not None)
+
         if error is not None:
             self._on_failure(batch, error, t_close)
+            settle()
         else:
-            self._answer(batch, result, t_close, total, short)
-        t_end = time.monotonic()
-        if error is None:  # what this batch cost, for the batching policy
-            tm = result.times
-            self.costs.observe(batch[0].key, total, tm.h2d + tm.forward + tm.d2h if self.engine.cuda
-                               else t_end - t_close)
-        self._account(batch, total, t_close, t_scatter, t_end, result, error is not None)
+            self._answer(batch, result, t_close, total, short, settle)
 
-    def _answer(self, batch: List[Request], result, t_close: float, total: int, short=()) -> None:
+    def _answer(self, batch: List[Request], result, t_close: float, total: int, short=(),
+                before_wake=None) -> None:
         """Write every answer first, then wake the callers: a woken caller often takes this CPU
-        at once, and should not delay the answers of the rest of its batch."""
+        at once, and should not delay the answers of the rest of its batch. ``before_wake`` runs
+        in between: counters a caller reads after its answer already include it."""
         structure = OUT_TUPLE if result.is_tuple else OUT_TENSOR
         offset = 0
         todo = [r for r in batch if not r.answered]
@@ -627,6 +647,8 @@ class ModelServer:
                     outs = [o[offset:offset + r.rows] for o in result.outputs]
                     self._respond(r, ST_OK, "", outs, structure, t_close, total, wake=False)
                 offset += r.rows
+            if before_wake is not None:
+                before_wake()
         finally:
             for r in todo:
                 if r.answered:
@@ -720,11 +742,21 @@ class ModelServer:
             times.h2d if times else 0.0, times.forward if times else 0.0,
             times.d2h if times else 0.0, t_end - t_scatter, own + (t_end - t_scatter), t_end)
         c[_C_HEAD] = head + 1
-        target = self.policy.latency_target
-        if target is not None:
-            late = sum(1 for r in batch if t_end - r.t_publish > target)
-            if late:
-                c[_C_OVER] += late
+        self.h_batch[total if total <= BATCH_HIST_MAX else 0] += 1
+        h_lat, h_queue, h_compute = self.h_latency, self.h_queue, self.h_compute
+        h_compute[bisect_left(LAT_BOUNDS, t_end - t_close)] += 1
+        h_compute[H_SUM] += int((t_end - t_close) * 1e9)
+        late, target = 0, self.policy.latency_target or float("inf")
+        for r in batch:
+            # t_publish is the client's word: clamp it, a forged one only skews its own entry
+            t_pub = min(max(r.t_publish, t_close - 3600.0), t_close)
+            h_lat[bisect_left(LAT_BOUNDS, t_end - t_pub)] += 1
+            h_lat[H_SUM] += int((t_end - t_pub) * 1e9)
+            h_queue[bisect_left(LAT_BOUNDS, t_close - t_pub)] += 1
+            h_queue[H_SUM] += int((t_close - t_pub) * 1e9)
+            late += t_end - t_pub > target
+        if late:
+            c[_C_OVER] += late
 
 
 def _check_outputs(outputs, total: int) -> None:

@@ -33,12 +33,14 @@ import time
 from multiprocessing.connection import wait
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from . import mps
+from . import mps, naming
 from .config import ModelConfig, RuntimeOptions
 from .errors import ModelError, ModelProcessDied, WorkerError
 from .janitor import janitor_main
+from .logs import LogRelay
 from .layout import (
-    BROKEN, INST_RESTARTING, RUNNING, STOPPING, ControlBlock, SlotTable, doorbell_name, sem_name,
+    BROKEN, DRAINING, INST_RESTARTING, PUBLISHED, RUNNING, STOPPING, ControlBlock, SlotTable,
+    doorbell_name, sem_name,
 )
 from .model_process import ModelProcessSpec, model_process_main
 from .shm import (
@@ -75,10 +77,12 @@ class Runtime:
 
     ``Run`` is the usual entry point; ``Runtime`` serves callers in this process too (tests,
     notebooks): ``with Runtime([cfg]) as rt: SharedModel(name, shape, namespace=rt.namespace)``.
+    With ``name="myapp"`` any process of this user can attach by name, started by simpledbi or
+    not: ``SharedModel(model, runtime="myapp")`` or ``$SIMPLEDBI_RUNTIME=myapp`` (naming.py).
     """
 
     def __init__(self, models: Sequence[ModelConfig], options: Optional[RuntimeOptions] = None,
-                 start_method: str = "spawn"):
+                 start_method: str = "spawn", *, name: Optional[str] = None):
         if isinstance(models, ModelConfig):
             models = [models]
         models = list(models)
@@ -88,6 +92,8 @@ class Runtime:
         if len(set(names)) != len(names):
             raise ValueError(f"models: expected unique names, got {names}")
         self.models = models
+        self.name = naming.check_name(name) if name is not None else None
+        self._registration: Optional[str] = None
         self.options = options or RuntimeOptions()
         self.ctx = mp.get_context(start_method)
         self.namespace: Optional[str] = None
@@ -100,6 +106,7 @@ class Runtime:
         self._janitor = None
         self._janitor_conn = None
         self._janitor_lock = threading.Lock()
+        self._logs: Optional[LogRelay] = None
         #: What was done about CUDA MPS: managed (a private daemon), skipped (and why) or off.
         self.mps = mps.MpsStatus("off", "the runtime has not started")
         self._mps_daemon: Optional[mps.PrivateDaemon] = None
@@ -123,10 +130,16 @@ class Runtime:
         self._started = True
         try:
             sweep_dead_namespaces()
+            naming.sweep_dead_registrations()
             if mps.wanted(self.options.mps, self.models):
                 mps.sweep_dead_daemons()   # what runtimes killed with their janitor left
             self.namespace = new_namespace()
             self._start_janitor()
+            self._logs = LogRelay()
+            if self.name is not None:  # after the janitor: it removes the registration if we die
+                self._tell_janitor("registration", naming.registration_path(self.name))
+                self._registration = naming.register(self.name, self.namespace,
+                                                     [m.name for m in self.models])
             self.mps = mps.start_for(self.options.mps, self.models, self._adopt_mps_daemon)
             for cfg in self.models:
                 size = ControlBlock.size(cfg.max_clients, cfg.model_num) + SlotTable.size(cfg.max_clients)
@@ -182,12 +195,17 @@ class Runtime:
 
     def _spawn_model(self, cfg: ModelConfig, instance: int) -> _ModelProc:
         parent_end, child_end = self.ctx.Pipe(duplex=False)
+        log_r, log_w = self.ctx.Pipe(duplex=False)
         spec = ModelProcessSpec(self.namespace, cfg, instance, self.options, os.getpid(), self._cpu_procs,
-                                self.mps.env)
+                                self.mps.env, log_w, logging.getLogger("simpledbi").getEffectiveLevel())
         proc = self.ctx.Process(target=model_process_main, args=(spec, child_end),
                                 name=f"simpledbi-{cfg.name}-{instance}", daemon=False)
-        proc.start()
-        child_end.close()
+        try:
+            proc.start()
+        finally:
+            child_end.close()
+            log_w.close()
+        self._logs.add(log_r)
         self._tell_janitor("model", proc.pid)
         m = self.instances[(cfg.name, instance)] = _ModelProc(cfg, instance, proc, parent_end)
         return m
@@ -282,7 +300,7 @@ class Runtime:
         m.exit_handled = True
         m.proc.join(1)
         name, ctl = m.cfg.name, self.ctls[m.cfg.name]
-        if ctl.state >= STOPPING and ctl.state != BROKEN:
+        if ctl.state == STOPPING:
             return
         text = m.describe() + (" while loading" if m.loading else "")
         if not m.loading:
@@ -293,7 +311,7 @@ class Runtime:
         ctl.instances[m.instance]["free"] = 0  # a dead process is not an idle peer
         self._wake_claimed_by(name, m.proc.pid)
         self._tell_janitor("gone", m.proc.pid)  # never signal a pid the system may reuse
-        if ctl.state == BROKEN:
+        if ctl.state in (BROKEN, DRAINING):
             return
         now = time.monotonic()
         failures = self._failures[name]
@@ -423,6 +441,39 @@ class Runtime:
         return results
 
     # ------------------------------------------------------------ stop
+    def drain(self, timeout: float = 30.0) -> bool:
+        """Refuse new requests and let model processes answer those already published; returns
+        True when nothing was left unanswered within ``timeout`` seconds. ``shutdown`` follows."""
+        self._unregister()
+        for ctl in self.ctls.values():
+            if ctl.state == RUNNING:
+                ctl.set_state(DRAINING)
+        logger.info("draining: new requests are refused; finishing %d accepted (up to %.0f s)",
+                    self.unanswered(), timeout)
+        deadline = time.monotonic() + timeout
+        while True:
+            pending = self.unanswered()
+            alive = any(m.proc.is_alive() for m in self.model_procs if not m.exit_handled)
+            if not pending or not alive or time.monotonic() >= deadline:
+                if pending:
+                    logger.warning("drain: %d request(s) still unanswered after %.1f s", pending,
+                                   min(timeout, time.monotonic() - deadline + timeout))
+                return not pending
+            time.sleep(0.01)  # shutdown only: a short poll of the table, not a hot path
+
+    def unanswered(self) -> int:
+        """Requests published (per their clients' rows) and not answered yet, over all models."""
+        n = 0
+        for name, table in self.tables.items():
+            done = self.ctls[name].claims["done"]
+            n += int(((table.state == PUBLISHED) & (done != table.seq)).sum())
+        return n
+
+    def _unregister(self) -> None:
+        if self._registration is not None:
+            naming.unregister(self._registration, self.namespace)
+            self._registration = None
+
     def shutdown(self) -> None:
         """Stop everything and remove every segment and semaphore of this run. Idempotent."""
         if self._closed:
@@ -432,12 +483,15 @@ class Runtime:
         if threading.current_thread() is threading.main_thread():
             restore = signal.signal(signal.SIGINT, signal.SIG_IGN)  # finish cleaning up first
         try:
+            self._unregister()  # first: no new client may find a runtime that is going
             self._stop.set()
             if self._supervisor is not None:
                 os.write(self._wake_w, b"x")
                 self._supervisor.join()
             self._stop_children()
         finally:
+            if self._logs is not None:
+                self._logs.close()
             for ctl in self.ctls.values():
                 ctl.close()
             for table in self.tables.values():
@@ -513,13 +567,14 @@ def _raise_exit(signum, frame):
 
 def Run(target: Optional[Callable] = None, worker_num: int = 1, args: Sequence = (),
         kwargs: Optional[dict] = None, models: Sequence[ModelConfig] = (), *,
-        options: Optional[RuntimeOptions] = None, start_method: str = "spawn") -> List[Any]:
+        options: Optional[RuntimeOptions] = None, start_method: str = "spawn",
+        name: Optional[str] = None) -> List[Any]:
     """Start ``models``, run ``target(rank, *args, **kwargs)`` in ``worker_num`` processes, clean up.
 
     Model processes load and warm up before any worker starts. Returns the workers' return values
     (by rank). Raises :class:`WorkerError` naming the first worker that raised or died (the others
     are then stopped), :class:`ModelProcessDied` if a model process dies, and cleans up on any
-    exit, Ctrl-C and SIGTERM included.
+    exit, Ctrl-C and SIGTERM included. ``name`` lets processes it did not start attach too.
     """
     if target is not None and not callable(target):
         raise TypeError(f"target: expected a callable, got {type(target).__name__}")
@@ -531,7 +586,7 @@ def Run(target: Optional[Callable] = None, worker_num: int = 1, args: Sequence =
         raise TypeError(f"args: expected a tuple, got {type(args).__name__}")
     if kwargs is not None and not isinstance(kwargs, dict):
         raise TypeError(f"kwargs: expected a dict, got {type(kwargs).__name__}")
-    runtime = Runtime(models, options, start_method)
+    runtime = Runtime(models, options, start_method, name=name)
     previous = None
     if threading.current_thread() is threading.main_thread():
         previous = signal.signal(signal.SIGTERM, _raise_exit)

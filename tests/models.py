@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import faulthandler
+import logging
 import os
 import time
 
@@ -14,6 +15,7 @@ RAISE = -7.0          # ... makes forward raise ValueError
 WRONG_ROWS = -8.0     # ... makes forward return one row too few
 NOT_A_TENSOR = -9.0   # ... makes forward return a string
 SEGFAULT = -11.0      # ... crashes the model process
+LOG_ME = -12.0        # ... makes the Loud model log an error
 
 
 class Affine(nn.Module):
@@ -194,3 +196,21 @@ class Weird(nn.Module):
 
 def weird():
     return Weird()
+
+
+def gated_from_env():
+    """For `simpledbi serve`, whose factories take no arguments: the gate named by $SDBI_TEST_GATE."""
+    return Gated(os.environ["SDBI_TEST_GATE"])
+
+
+def loud():
+    """Logs while loading and on every batch of a LOG_ME row: model-process logs reach the parent."""
+    logging.getLogger("tests.loud").warning("loading the loud model")
+    return Loud()
+
+
+class Loud(nn.Module):
+    def forward(self, x):
+        if bool((x == LOG_ME).any()):
+            logging.getLogger("tests.loud").error("saw a row asking to be logged")
+        return x * 2 + 1

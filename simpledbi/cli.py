@@ -1,0 +1,259 @@
+"""The ``simpledbi`` command (also ``python -m simpledbi``).
+
+    simpledbi serve  --name myapp --model resnet50=models/resnet50.pt --model-num 2 --device cuda
+    simpledbi serve  --config serve.toml            # several models, every ModelConfig field
+    simpledbi status [myapp] [--check] [--json]     # a live table; --check: exit 1 unless ready
+
+``serve`` starts a standalone runtime under a stable name: processes simpledbi did not start
+(web servers' workers, DataLoader workers, a job system) attach with
+``SharedModel(model, runtime="myapp")`` or ``$SIMPLEDBI_RUNTIME=myapp``. It logs one "ready"
+line, supervises, and on SIGTERM or Ctrl-C refuses new requests, answers those already accepted
+(up to ``--drain-timeout``), then removes everything it created.
+
+A TOML config holds what the flags hold, per model::
+
+    name = "myapp"            # optional here, --name wins
+    metrics_port = 9100       # optional
+    [options]                 # RuntimeOptions fields
+    mps = "auto"
+    [[models]]                # ModelConfig fields; factory = "module:function" instead of path
+    name = "resnet50"
+    path = "models/resnet50.pt"
+    max_batch_size = 32
+    model_num = 2
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+import tomllib
+from typing import Any, Dict, List, Optional, Sequence
+
+from .config import ModelConfig, RuntimeOptions
+from .errors import SimpleDBIError
+
+logger = logging.getLogger("simpledbi.serve")
+
+_MODEL_FLAGS = ("max_batch_size", "model_num", "wait_time", "latency_target", "device",
+                "batching", "precision", "max_clients")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "command", None):
+        parser.print_help()
+        return 2
+    try:
+        return args.func(args)
+    except (ValueError, TypeError, LookupError, OSError, RuntimeError, SimpleDBIError,
+            tomllib.TOMLDecodeError) as e:
+        print(f"simpledbi {args.command}: {e}", file=sys.stderr)
+        return 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="simpledbi", description="Dynamic batching of many processes' "
+                                "requests to shared PyTorch models, through shared memory.")
+    sub = p.add_subparsers(dest="command")
+
+    s = sub.add_parser("serve", help="run a standalone, named runtime until SIGTERM / Ctrl-C")
+    s.add_argument("--name", help="the runtime's name, used by clients to attach (required here "
+                   "or in the config)")
+    s.add_argument("--config", help="a TOML file: name, metrics_port, [options], [[models]]")
+    s.add_argument("--model", action="append", default=[], metavar="NAME=PATH|MODULE:FACTORY",
+                   help="a model to serve: a TorchScript / .pt2 file, or a function that builds "
+                   "it (repeatable; the flags below apply to each)")
+    s.add_argument("--max-batch-size", type=int)
+    s.add_argument("--model-num", type=int, help="model processes per model")
+    s.add_argument("--wait-time", type=float, help="upper bound (s) on a request's wait for others")
+    s.add_argument("--latency-target", type=float, help="seconds of p99 latency to keep under")
+    s.add_argument("--device", help="cpu, cuda, cuda:N or auto (a comma-separated list spreads "
+                   "instances)")
+    s.add_argument("--batching", choices=("adaptive", "fixed"))
+    s.add_argument("--precision", choices=("float32", "float16", "bfloat16"))
+    s.add_argument("--max-clients", type=int)
+    s.add_argument("--input-shape", action="append", metavar="D1,D2,...",
+                   help="item shape of an input (no batch dimension), repeatable in input order")
+    s.add_argument("--input-dtype", action="append", metavar="DTYPE")
+    s.add_argument("--mps", choices=("auto", "on", "off"))
+    s.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port "
+                   "(needs the metrics extra: pip install 'simpledbi[metrics]')")
+    s.add_argument("--metrics-addr", default=None, help="address for /metrics (default 0.0.0.0)")
+    s.add_argument("--drain-timeout", type=float, default=None,
+                   help="seconds to finish accepted requests at SIGTERM (default 30)")
+    s.add_argument("--log-level", default="INFO")
+    s.set_defaults(func=_serve)
+
+    st = sub.add_parser("status", help="what a running runtime is doing")
+    st.add_argument("name", nargs="?", help="runtime name (default: $SIMPLEDBI_RUNTIME, or the "
+                    "only one running)")
+    st.add_argument("--check", action="store_true", help="print one line; exit 1 unless every "
+                    "model is ready (a health check)")
+    st.add_argument("--json", action="store_true", help="machine-readable output")
+    st.set_defaults(func=_status)
+    return p
+
+
+# ---------------------------------------------------------------- serve
+@dataclasses.dataclass
+class ServeConfig:
+    name: str
+    models: List[ModelConfig]
+    options: RuntimeOptions
+    metrics_port: Optional[int] = None
+    metrics_addr: str = "0.0.0.0"
+    drain_timeout: float = 30.0
+
+
+def load_serve_config(args: argparse.Namespace) -> ServeConfig:
+    """Merge the TOML file (if any) and the flags (which win) into validated configs."""
+    doc: Dict[str, Any] = {}
+    if args.config:
+        with open(args.config, "rb") as f:
+            doc = tomllib.load(f)
+        unknown = set(doc) - {"name", "metrics_port", "metrics_addr", "drain_timeout", "options", "models"}
+        if unknown:
+            raise ValueError(f"{args.config}: unknown keys {sorted(unknown)}; expected name, "
+                             f"metrics_port, metrics_addr, drain_timeout, [options], [[models]]")
+    name = args.name or doc.get("name")
+    if not name:
+        raise ValueError("a runtime name is needed: --name NAME (clients attach with "
+                         "SharedModel(model, runtime=NAME))")
+    flags = {k: getattr(args, k) for k in _MODEL_FLAGS if getattr(args, k) is not None}
+    if "device" in flags and "," in flags["device"]:
+        flags["device"] = flags["device"].split(",")
+    if args.input_shape:
+        flags["input_shapes"] = [tuple(int(d) for d in s.split(",")) for s in args.input_shape]
+    if args.input_dtype:
+        flags["input_dtypes"] = list(args.input_dtype)
+    entries = [dict(m) for m in doc.get("models", [])]
+    for spec in args.model:
+        model_name, sep, where = spec.partition("=")
+        if not sep or not where:
+            raise ValueError(f"--model: expected NAME=PATH or NAME=MODULE:FACTORY, got {spec!r}")
+        entries.append({"name": model_name, _source_key(where): where})
+    if not entries:
+        raise ValueError("no model to serve: give --model NAME=PATH (or [[models]] in --config)")
+    models = [_model_config({**e, **flags}) for e in entries]
+    options = dict(doc.get("options", {}))
+    if args.mps:
+        options["mps"] = args.mps
+    try:
+        runtime_options = RuntimeOptions(**options)
+    except TypeError as e:
+        raise ValueError(f"[options]: {e}") from None
+    port = args.metrics_port if args.metrics_port is not None else doc.get("metrics_port")
+    return ServeConfig(name, models, runtime_options, port,
+                       args.metrics_addr or doc.get("metrics_addr", "0.0.0.0"),
+                       float(args.drain_timeout if args.drain_timeout is not None
+                             else doc.get("drain_timeout", 30.0)))
+
+
+def _source_key(where: str) -> str:
+    module, sep, attr = where.partition(":")
+    if sep and attr.isidentifier() and not os.path.exists(where) and "/" not in module:
+        return "factory"
+    return "path"
+
+
+def _model_config(entry: Dict[str, Any]) -> ModelConfig:
+    entry = dict(entry)
+    if isinstance(entry.get("factory"), str):
+        entry["factory"] = import_factory(entry["factory"])
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    unknown = set(entry) - fields
+    if unknown:
+        raise ValueError(f"model {entry.get('name')!r}: unknown settings {sorted(unknown)}; "
+                         f"expected ModelConfig fields")
+    return ModelConfig(**entry)
+
+
+def import_factory(ref: str):
+    """``"package.module:function"`` -> the function (spawned model processes import it again)."""
+    module, _, attr = ref.partition(":")
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())  # like `python -m`: modules next to the caller resolve
+    try:
+        obj = importlib.import_module(module)
+    except ImportError as e:
+        raise ValueError(f"factory {ref!r}: cannot import {module!r}: {e}") from None
+    try:
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+    except AttributeError:
+        raise ValueError(f"factory {ref!r}: {module!r} has no {attr!r}") from None
+    return obj
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from .runtime import Runtime
+    logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    cfg = load_serve_config(args)
+    stop = threading.Event()
+    started = threading.Event()
+
+    def on_signal(signum, frame):
+        if not started.is_set():
+            raise KeyboardInterrupt  # still starting: Runtime.start cleans up and re-raises
+        stop.set()
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    t0 = time.monotonic()
+    runtime = Runtime(cfg.models, cfg.options, name=cfg.name)
+    try:
+        logger.info("starting runtime %r: %s", cfg.name, ", ".join(
+            f"{m.name} ({m.model_num} x {'/'.join(m.device)})" for m in cfg.models))
+        try:
+            runtime.start()
+        except KeyboardInterrupt:
+            logger.info("interrupted while starting; stopped")
+            return 130
+        started.set()
+        where = ""
+        if cfg.metrics_port is not None:
+            from .metrics import start_metrics_server
+            start_metrics_server(cfg.metrics_port, cfg.name, addr=cfg.metrics_addr)
+            where = f"; Prometheus metrics on {cfg.metrics_addr}:{cfg.metrics_port}/metrics"
+        logger.info("runtime %r ready in %.1f s (MPS: %s): attach with SharedModel(%r, "
+                    "runtime=%r) or SIMPLEDBI_RUNTIME=%s%s", cfg.name, time.monotonic() - t0,
+                    runtime.mps.state, cfg.models[0].name, cfg.name, cfg.name, where)
+        stop.wait()
+        runtime.drain(cfg.drain_timeout)
+        return 0
+    finally:
+        runtime.shutdown()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if started.is_set():
+            logger.info("runtime %r stopped", cfg.name)
+
+
+# ---------------------------------------------------------------- status
+def _status(args: argparse.Namespace) -> int:
+    from .status import format_status, inspect
+    try:
+        info = inspect(args.name)
+    except LookupError as e:
+        if args.check:
+            print(f"NOT READY: {e}")
+            return 1
+        raise
+    if args.json:
+        print(json.dumps(dataclasses.asdict(info), indent=1, default=str))
+    elif args.check:
+        bad = [f"{m.name} {m.state}" for m in info.models if not m.ready]
+        print(f"{'READY' if info.ready else 'NOT READY'}: runtime {info.name}"
+              + (f" ({', '.join(bad)})" if bad else ""))
+    else:
+        print(format_status(info))
+    return 0 if info.ready or not args.check else 1

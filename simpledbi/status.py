@@ -1,0 +1,240 @@
+"""Looking inside a running runtime without taking part in it: ``simpledbi.inspect(name)``.
+
+Everything here is read from the models' control blocks (mapped read-only) and slot tables, the
+same memory the model processes write their counters, histograms and per-batch ring into: no
+slot is attached, no request is sent, so it works when every slot is taken and costs the runtime
+nothing. ``simpledbi status`` prints it; the Prometheus collector (metrics.py) exports it.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence
+
+import numpy as np
+
+from . import naming
+from .layout import (
+    B_FIELDS, FREE, H_COMPUTE, H_LATENCY, H_QUEUE, H_SUM, INST_STATE_NAMES, LAT_BOUNDS, PUBLISHED,
+    STATE_NAMES, ControlBlock, SlotTable,
+)
+from .shm import SHM_DIR, pid_alive
+from .stats import STAGES, batch_records
+
+__all__ = ["inspect", "RuntimeInfo", "ModelInfo", "InstanceInfo", "Histogram"]
+
+
+@dataclass
+class Histogram:
+    """Counts in buckets with upper ``bounds`` (seconds, or rows); the last bucket is +inf."""
+
+    bounds: Sequence[float]
+    counts: List[int]
+    sum: float = 0.0
+
+    @property
+    def count(self) -> int:
+        return int(sum(self.counts))
+
+    def quantile(self, q: float) -> Optional[float]:
+        """The q-quantile, interpolated inside its bucket (None when empty)."""
+        total = self.count
+        if not total:
+            return None
+        rank, seen = q * total, 0
+        for i, n in enumerate(self.counts):
+            if n and seen + n >= rank:
+                lo = self.bounds[i - 1] if i > 0 else 0.0
+                hi = self.bounds[i] if i < len(self.bounds) else lo * 2
+                return lo + (hi - lo) * (rank - seen) / n
+            seen += n
+        return float(self.bounds[-1])
+
+
+@dataclass
+class InstanceInfo:
+    index: int
+    pid: int
+    device: str
+    state: str
+    alive: bool
+    restarts: int
+    cuda_graphs: int
+    requests: int
+    batches: int
+    started: float        # wall clock (time.time) of this incarnation's start
+
+
+@dataclass
+class ModelInfo:
+    name: str
+    state: str
+    message: str
+    max_batch_size: int
+    max_clients: int
+    attached_clients: int     # slots attached (a SharedModel holds one per call in flight)
+    queued: int               # requests published and not yet answered
+    requests: int
+    batches: int
+    rows: int
+    errors: int
+    bad_requests: int
+    over_target: int
+    restarts: int
+    instances: List[InstanceInfo]
+    batch_sizes: Dict[int, int]            # rows -> batches (0: more than layout.BATCH_HIST_MAX)
+    latency: Histogram                     # per request, publish to answer
+    queue: Histogram                       # per request, publish to batch close
+    compute: Histogram                     # per batch, close to answered
+    stage_means: Dict[str, float] = field(default_factory=dict)   # recent batches, seconds
+
+    @property
+    def ready(self) -> bool:
+        """Serving: running, and at least one model process ready and alive."""
+        return self.state == "running" and any(i.alive and i.state == "ready" for i in self.instances)
+
+    @property
+    def mean_batch_size(self) -> float:
+        return self.rows / self.batches if self.batches else 0.0
+
+
+@dataclass
+class RuntimeInfo:
+    name: Optional[str]
+    namespace: str
+    pid: int
+    alive: bool
+    models: List[ModelInfo]
+
+    @property
+    def ready(self) -> bool:
+        return self.alive and bool(self.models) and all(m.ready for m in self.models)
+
+
+def inspect(runtime: Optional[str] = None, *, namespace: Optional[str] = None) -> RuntimeInfo:
+    """What the runtime named ``runtime`` (or at ``namespace``) is doing right now.
+
+    Without arguments: ``$SIMPLEDBI_RUNTIME``, else the only named runtime of this user. Raises
+    LookupError when there is no such runtime.
+    """
+    name = runtime
+    if namespace is None:
+        if name is None:
+            name = os.environ.get(naming.ENV_RUNTIME) or _only_runtime()
+        reg = naming.resolve(name)
+        if reg is None:
+            raise LookupError(f"no simpledbi runtime named {name!r} is running")
+        namespace, pid = reg.namespace, reg.pid
+        model_names = list(reg.models)
+    else:
+        pid, model_names = 0, sorted(e[:-4] for e in _listdir(namespace) if e.endswith(".ctl"))
+    models = []
+    for m in model_names:
+        try:
+            ctl = ControlBlock.attach(namespace, m, readonly=True)
+        except (OSError, RuntimeError):
+            continue  # being created, or the runtime just went away
+        try:
+            table = SlotTable.attach(namespace, m, ctl.max_slots)
+        except (OSError, RuntimeError):
+            ctl.close()
+            continue
+        try:
+            models.append(_model_info(m, ctl, table))
+            pid = pid or int(ctl.hdr["supervisor_pid"])
+        finally:
+            table.close()
+            ctl.close()
+    return RuntimeInfo(name, namespace, pid, pid_alive(pid), models)
+
+
+def _only_runtime() -> str:
+    regs = [r for r in naming.list_registrations() if pid_alive(r.pid)]
+    if len(regs) == 1:
+        return regs[0].name
+    if not regs:
+        raise LookupError("no named simpledbi runtime is running (start one with `simpledbi serve "
+                          "--name NAME ...`)")
+    raise LookupError(f"several simpledbi runtimes are running ({', '.join(r.name for r in regs)}): "
+                      f"name one")
+
+
+def _listdir(namespace: str) -> List[str]:
+    try:
+        return os.listdir(os.path.join(SHM_DIR, namespace))
+    except OSError:
+        raise LookupError(f"no simpledbi runtime at namespace {namespace!r}") from None
+
+
+def _model_info(name: str, ctl: ControlBlock, table: SlotTable) -> ModelInfo:
+    inst, c = ctl.instances.copy(), ctl.counters.copy()
+    instances = []
+    for i in range(ctl.model_num):
+        row = inst[i]
+        pid, dev = int(row["pid"]), int(row["device"])
+        instances.append(InstanceInfo(
+            index=i, pid=pid, device="cpu" if dev < 0 else f"cuda:{dev}",
+            state=INST_STATE_NAMES.get(int(row["state"]), str(int(row["state"]))),
+            alive=pid_alive(pid), restarts=int(row["restarts"]), cuda_graphs=int(row["graphs"]),
+            requests=int(c["requests"][i]), batches=int(c["batches"][i]), started=float(row["t_start"])))
+    state = table.state.copy()
+    done, seq = ctl.claims["done"].copy(), table.seq.copy()
+    hist = ctl.hist.sum(axis=0)
+    bh = ctl.batch_hist.sum(axis=0)
+    recs = batch_records(ctl, since=time.monotonic() - 60.0)
+    means = {s: float(recs[:, B_FIELDS.index(s)].mean()) if len(recs) else 0.0 for s in STAGES}
+    return ModelInfo(
+        name=name, state=STATE_NAMES.get(ctl.state, str(ctl.state)), message=ctl.message(),
+        max_batch_size=int(ctl.hdr["max_batch"]), max_clients=ctl.max_slots,
+        attached_clients=int((state != FREE).sum()),
+        queued=int(((state == PUBLISHED) & (done != seq)).sum()),
+        requests=int(c["requests"].sum()), batches=int(c["batches"].sum()), rows=int(c["rows"].sum()),
+        errors=int(c["errors"].sum()), bad_requests=int(c["bad_requests"].sum()),
+        over_target=int(c["over_target"].sum()), restarts=int(inst["restarts"].sum()),
+        instances=instances,
+        batch_sizes={int(k): int(bh[k]) for k in np.nonzero(bh)[0]},
+        latency=_histogram(hist[H_LATENCY]), queue=_histogram(hist[H_QUEUE]),
+        compute=_histogram(hist[H_COMPUTE]),
+        stage_means=means)
+
+
+def _histogram(row: np.ndarray) -> Histogram:
+    return Histogram(LAT_BOUNDS, row[:H_SUM].tolist(), float(row[H_SUM]) / 1e9)
+
+
+# ---------------------------------------------------------------- text, for `simpledbi status`
+def _ms(x: Optional[float]) -> str:
+    return "-" if x is None else f"{x * 1e3:.2f}"
+
+
+def format_status(info: RuntimeInfo) -> str:
+    lines = [f"runtime {info.name or info.namespace}  pid {info.pid}  "
+             f"{'alive' if info.alive else 'DEAD'}  {'ready' if info.ready else 'NOT READY'}"]
+    for m in info.models:
+        lines.append("")
+        lines.append(f"model {m.name}: {m.state}{' (' + m.message + ')' if m.message else ''}  "
+                     f"max_batch_size {m.max_batch_size}  clients {m.attached_clients}/"
+                     f"{m.max_clients}  queued {m.queued}")
+        lines.append(f"  requests {m.requests}  batches {m.batches}  mean batch "
+                     f"{m.mean_batch_size:.2f}  errors {m.errors}  bad requests {m.bad_requests}  "
+                     f"over target {m.over_target}  restarts {m.restarts}")
+        lines.append(f"  latency ms  p50 {_ms(m.latency.quantile(0.5))}  p99 "
+                     f"{_ms(m.latency.quantile(0.99))}   queue p50 {_ms(m.queue.quantile(0.5))}  "
+                     f"p99 {_ms(m.queue.quantile(0.99))}   compute/batch p50 "
+                     f"{_ms(m.compute.quantile(0.5))}  p99 {_ms(m.compute.quantile(0.99))}")
+        if any(m.stage_means.values()):
+            lines.append("  last minute, mean per batch (ms): " + "  ".join(
+                f"{k} {v * 1e3:.2f}" for k, v in m.stage_means.items()))
+        if m.batch_sizes:
+            sizes = sorted(m.batch_sizes.items(), key=lambda kv: kv[0] or 1 << 30)
+            lines.append("  batch sizes: " + "  ".join(
+                f"{'>128' if k == 0 else k}:{v}" for k, v in sizes))
+        lines.append(f"  {'inst':>4} {'pid':>8} {'device':<7} {'state':<10} {'restarts':>8} "
+                     f"{'requests':>9} {'batches':>8} {'graphs':>6}")
+        for i in m.instances:
+            st = i.state if i.alive or i.state != "ready" else "dead"
+            lines.append(f"  {i.index:>4} {i.pid:>8} {i.device:<7} {st:<10} {i.restarts:>8} "
+                         f"{i.requests:>9} {i.batches:>8} {i.cuda_graphs:>6}")
+    return "\n".join(lines)
+

@@ -1,0 +1,318 @@
+"""Serving processes simpledbi did not start: named runtimes, `simpledbi serve`, re-attach after a
+restart, draining at SIGTERM, status / inspect / Prometheus, model-process logs, forward_async."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import secrets
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import simpledbi
+from simpledbi import RuntimeStopped, SharedModel, naming
+from simpledbi.cli import load_serve_config, _parser
+from simpledbi.runtime import Runtime
+
+from . import models
+from .conftest import FAST, cpu_model
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _name() -> str:
+    return f"t{os.getpid()}-{secrets.token_hex(3)}"
+
+
+def _serve(name: str, *extra: str, env=None) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "simpledbi", "serve", "--name", name, "--device", "cpu",
+           "--model-num", "1", *extra]
+    return subprocess.Popen(cmd, cwd=ROOT, text=True, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, env={**os.environ, **(env or {})})
+
+
+def _wait_for(proc: subprocess.Popen, word: str, timeout: float = 60) -> str:
+    """Read the serve process's log (stderr) until a line containing ``word``."""
+    seen = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([proc.stderr], [], [], deadline - time.monotonic())
+        if not ready:
+            break
+        line = proc.stderr.readline()
+        if not line:
+            break
+        seen.append(line)
+        if word in line:
+            return line
+    proc.kill()
+    proc.wait(10)
+    raise AssertionError(f"{word!r} never came; log:\n{''.join(seen)}{proc.stderr.read()}")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait(30)
+
+
+def _gone(reg) -> bool:
+    return not os.path.exists(f"/dev/shm/{reg.namespace}") and not any(
+        e.startswith(f"sem.{reg.namespace}") for e in os.listdir("/dev/shm"))
+
+
+# ---------------------------------------------------------------- named runtimes in-process
+@pytest.mark.timeout(120)
+def test_a_named_runtime_is_found_by_name_and_the_name_is_exclusive(monkeypatch):
+    name = _name()
+    with Runtime([cpu_model("m", models.affine)], FAST, name=name) as rt:
+        reg = naming.resolve(name)
+        assert reg.namespace == rt.namespace and reg.models == ("m",) and reg.pid == os.getpid()
+        with pytest.raises(RuntimeError, match=f"runtime named '{name}' is already running"):
+            Runtime([cpu_model("m", models.affine)], FAST, name=name).start()
+        with SharedModel("m", (2, 3), runtime=name) as a:
+            x = np.arange(6, dtype=np.float32).reshape(2, 3)
+            np.testing.assert_array_equal(a.forward(x), x * 2 + 1)
+        monkeypatch.setenv(naming.ENV_RUNTIME, name)
+        with SharedModel("m", (1, 3)) as b:   # $SIMPLEDBI_RUNTIME
+            assert b.runtime == name and b.namespace == rt.namespace
+        with pytest.raises(LookupError, match=rf"runtime '{name}' serves \['m'\], not 'other'"):
+            SharedModel("other", (1, 3), runtime=name)
+    assert naming.read(name) is None  # unregistered at shutdown
+
+
+@pytest.mark.timeout(120)
+def test_a_client_waits_for_a_runtime_that_starts_later_or_times_out_clearly():
+    name = _name()
+    with pytest.raises(RuntimeStopped, match=f"no simpledbi runtime named '{name}' is running "
+                                             r"within the connect timeout \(0.2 s\)"):
+        SharedModel("m", (1, 3), runtime=name, connect_timeout=0.2)
+    got = {}
+
+    def early_client():
+        try:
+            with SharedModel("m", (1, 3), runtime=name, connect_timeout=60) as c:
+                got["y"] = c.forward(np.ones((1, 3), np.float32), timeout=60)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            got["error"] = e
+
+    t = threading.Thread(target=early_client)
+    t.start()  # before the runtime exists: it polls the name until the runtime registers
+    with Runtime([cpu_model("m", models.affine)], FAST, name=name):
+        t.join(60)
+    assert not t.is_alive() and "error" not in got, got
+    np.testing.assert_array_equal(got["y"], np.full((1, 3), 3, np.float32))
+
+
+@pytest.mark.timeout(120)
+def test_a_client_attached_by_name_survives_a_runtime_restart():
+    name = _name()
+    x = np.ones((1, 3), np.float32)
+    first = Runtime([cpu_model("m", models.affine)], FAST, name=name).start()
+    try:
+        client = SharedModel("m", (1, 3), runtime=name)
+        np.testing.assert_array_equal(client.forward(x), x * 2 + 1)
+        old = client.namespace
+    finally:
+        first.shutdown()
+    with Runtime([cpu_model("m", models.affine)], FAST, name=name) as second:
+        np.testing.assert_array_equal(client.forward(x, timeout=30), x * 2 + 1)  # re-attached
+        assert client.namespace == second.namespace != old
+        client.close()
+    # attached by namespace, there is nothing to re-attach to: a clear error
+    with Runtime([cpu_model("m", models.affine)], FAST) as third:
+        fixed = SharedModel("m", (1, 3), namespace=third.namespace)
+    with pytest.raises(RuntimeStopped):
+        fixed.forward(x, timeout=5)
+    fixed.close()
+
+
+# ---------------------------------------------------------------- simpledbi serve
+@pytest.mark.timeout(180)
+def test_serve_drains_accepted_requests_at_sigterm_and_cleans_up(gate):
+    name = _name()
+    proc = _serve(name, "--model", "g=tests.models:gated_from_env", "--max-batch-size", "4",
+                  env={"SDBI_TEST_GATE": gate.name})
+    try:
+        line = _wait_for(proc, "ready")
+        assert f"SharedModel('g', runtime='{name}')" in line
+        reg = naming.resolve(name)
+        client = SharedModel("g", (1, 3), runtime=name)
+        held = {}
+        x = np.full((1, 3), models.GATE, np.float32)
+        t = threading.Thread(target=lambda: held.setdefault("y", client.forward(x, timeout=60)))
+        t.start()
+        gate.wait_entered()          # the request is inside the forward pass
+        proc.send_signal(signal.SIGTERM)
+        _wait_for(proc, "draining: new requests are refused; finishing 1 accepted")
+        assert naming.read(name) is None  # no new client finds a runtime that is going
+        with pytest.raises(RuntimeStopped):
+            client.forward(np.ones((1, 3), np.float32), timeout=0.5)   # refused while draining
+        gate.open()
+        t.join(60)
+        np.testing.assert_array_equal(held["y"], x * 2 + 1)  # the accepted one was answered
+        assert proc.wait(60) == 0
+        client.close()
+        assert _gone(reg)
+        assert "Traceback" not in proc.stderr.read()
+    finally:
+        _stop(proc)
+
+
+@pytest.mark.timeout(180)
+def test_a_killed_serve_is_cleaned_up_and_clients_reattach_to_the_next_one():
+    name = _name()
+    first = _serve(name, "--model", "m=tests.models:affine")
+    second = None
+    try:
+        _wait_for(first, "ready")
+        reg = naming.resolve(name)
+        client = SharedModel("m", (1, 3), runtime=name)
+        x = np.ones((1, 3), np.float32)
+        np.testing.assert_array_equal(client.forward(x), x * 2 + 1)
+        first.kill()
+        first.wait(30)
+        second = _serve(name, "--model", "m=tests.models:affine")  # its start sweeps what is left
+        _wait_for(second, "ready")
+        np.testing.assert_array_equal(client.forward(x, timeout=60), x * 2 + 1)
+        assert client.namespace == naming.resolve(name).namespace != reg.namespace
+        assert _gone(reg)
+        client.close()
+        second.send_signal(signal.SIGINT)   # Ctrl-C stops it cleanly too
+        assert second.wait(60) == 0
+    finally:
+        _stop(first)
+        if second is not None:
+            _stop(second)
+
+
+@pytest.mark.timeout(60)
+def test_serve_config_from_toml_and_flags(tmp_path):
+    cfg = tmp_path / "serve.toml"
+    cfg.write_text('name = "fromfile"\nmetrics_port = 9999\n[options]\nmps = "off"\n'
+                   '[[models]]\nname = "a"\nfactory = "tests.models:affine"\nmax_batch_size = 8\n'
+                   '[[models]]\nname = "b"\npath = "missing.pt"\nlatency_target = 0.02\n')
+    args = _parser().parse_args(["serve", "--config", str(cfg), "--model-num", "2",
+                                 "--model", "c=tests.models:affine", "--input-shape", "3,4"])
+    sc = load_serve_config(args)
+    assert sc.name == "fromfile" and sc.metrics_port == 9999 and sc.options.mps == "off"
+    assert [m.name for m in sc.models] == ["a", "b", "c"]
+    assert sc.models[0].factory is models.affine and sc.models[0].max_batch_size == 8
+    assert sc.models[1].path == "missing.pt" and sc.models[1].latency_target == 0.02
+    assert all(m.model_num == 2 and m.input_shapes == ((3, 4),) for m in sc.models)
+    cfg.write_text('name = "x"\n[[models]]\nname = "a"\nfactory = "tests.models:affine"\nbatch = 3\n')
+    with pytest.raises(ValueError, match=r"model 'a': unknown settings \['batch'\]"):
+        load_serve_config(_parser().parse_args(["serve", "--config", str(cfg)]))
+    with pytest.raises(ValueError, match="factory 'tests.models:nothing': 'tests.models' has no 'nothing'"):
+        load_serve_config(_parser().parse_args(["serve", "--name", "x", "--model",
+                                                "a=tests.models:nothing"]))
+    with pytest.raises(ValueError, match="a runtime name is needed"):
+        load_serve_config(_parser().parse_args(["serve", "--model", "a=m.pt"]))
+
+
+# ---------------------------------------------------------------- looking inside
+@pytest.mark.timeout(120)
+def test_inspect_and_status_read_a_runtime_without_taking_a_slot(gate):
+    name = _name()
+    with Runtime([cpu_model("g", __import__("functools").partial(models.gated, gate.name),
+                            max_clients=1, max_batch_size=4)], FAST, name=name) as rt:
+        client = SharedModel("g", (1, 3), runtime=name)   # holds the only slot
+        for _ in range(5):
+            client.forward(np.ones((1, 3), np.float32))
+        t = threading.Thread(target=client.forward, args=(np.full((1, 3), models.GATE, np.float32),),
+                             kwargs={"timeout": 60})
+        t.start()
+        gate.wait_entered()
+        info = simpledbi.inspect(name)
+        (m,) = info.models
+        assert info.ready and info.namespace == rt.namespace and m.ready
+        assert m.attached_clients == 1 and m.max_clients == 1 and m.queued == 1
+        assert m.requests == 5 and m.batch_sizes == {1: 5} and m.latency.count == 5
+        assert 0 < m.latency.quantile(0.5) <= m.latency.quantile(0.99) < 10
+        (inst,) = m.instances
+        assert inst.alive and inst.state == "ready" and inst.pid == rt.model_procs[0].proc.pid
+        out = subprocess.run([sys.executable, "-m", "simpledbi", "status", name], cwd=ROOT,
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0 and "model g: running" in out.stdout and "queued 1" in out.stdout
+        check = subprocess.run([sys.executable, "-m", "simpledbi", "status", name, "--check"],
+                               cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert check.returncode == 0 and check.stdout.startswith("READY"), check
+        as_json = subprocess.run([sys.executable, "-m", "simpledbi", "status", name, "--json"],
+                                 cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert json.loads(as_json.stdout)["models"][0]["queued"] == 1
+        gate.open()
+        t.join(60)
+        client.close()
+    check = subprocess.run([sys.executable, "-m", "simpledbi", "status", name, "--check"],
+                           cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert check.returncode == 1 and check.stdout.startswith("NOT READY"), check
+
+
+@pytest.mark.timeout(120)
+def test_prometheus_collector_exports_the_runtime_counters():
+    prometheus_client = pytest.importorskip("prometheus_client")
+    from simpledbi.metrics import RuntimeCollector
+    name = _name()
+    with Runtime([cpu_model("m", models.affine, max_batch_size=8)], FAST, name=name):
+        with SharedModel("m", (4, 3), runtime=name) as c:
+            for rows in (1, 2, 4):
+                c.forward(np.ones((rows, 3), np.float32))
+        registry = prometheus_client.CollectorRegistry()
+        registry.register(RuntimeCollector(name))
+        text = prometheus_client.generate_latest(registry).decode()
+    assert 'simpledbi_request_success_total{model="m"} 3.0' in text
+    assert 'simpledbi_inference_count_total{model="m"} 7.0' in text
+    assert 'simpledbi_batch_size_bucket{le="2",model="m"} 2.0' in text
+    assert 'simpledbi_request_duration_seconds_count{model="m"} 3.0' in text
+    assert 'simpledbi_instance_up{device="cpu",instance="0",model="m"} 1.0' in text
+    assert 'simpledbi_model_ready{model="m"} 1.0' in text
+
+
+@pytest.mark.timeout(120)
+def test_model_process_logs_reach_the_parents_handlers(caplog):
+    caplog.set_level(logging.INFO)
+    with Runtime([cpu_model("loud", models.loud)], FAST) as rt:
+        with SharedModel("loud", (1, 3), namespace=rt.namespace) as c:
+            c.forward(np.full((1, 3), models.LOG_ME, np.float32))
+    # the relay hands over everything the processes wrote before shutdown returns
+    lines = [(r.name, r.levelname, r.getMessage()) for r in caplog.records if r.name == "tests.loud"]
+    assert ("tests.loud", "WARNING", "<loud|0> loading the loud model") in lines
+    assert ("tests.loud", "ERROR", "<loud|0> saw a row asking to be logged") in lines
+
+
+# ---------------------------------------------------------------- asyncio
+@pytest.mark.timeout(120)
+def test_forward_async_batches_concurrent_coroutines_and_never_blocks_the_loop(gate):
+    import functools
+    n = 24
+    with Runtime([cpu_model("g", functools.partial(models.gated, gate.name), max_batch_size=32,
+                            wait_time=0.0)], FAST) as rt:
+        client = SharedModel("g", (1, 3), namespace=rt.namespace)
+
+        async def main():
+            blocker = asyncio.ensure_future(client.forward_async(np.full((1, 3), models.GATE, np.float32)))
+            await asyncio.to_thread(gate.wait_entered)   # the model process is stuck in forward
+            xs = [np.full((1, 3), i, np.float32) for i in range(n)]
+            # (had forward_async blocked the loop, the blocked call would have stopped it above)
+            calls = [asyncio.ensure_future(client.forward_async(x, timeout=60)) for x in xs]
+            await asyncio.sleep(0)
+            gate.open()
+            ys = await asyncio.gather(*calls)
+            await blocker
+            return xs, ys
+
+        xs, ys = asyncio.run(main())
+        for x, y in zip(xs, ys):
+            np.testing.assert_array_equal(y, x * 2 + 1)
+        st = client.stats()
+        # the 24 calls queued behind the blocked batch are served in far fewer batches
+        assert st["requests"] == n + 1 and st["batches"] <= n // 2, st
+        client.close()
