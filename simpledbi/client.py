@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextvars
 import functools
 import logging
 import os
@@ -44,6 +45,8 @@ _ASYNC_MAX_THREADS = 4096
 _async_pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
 _async_pool_pid = 0
 _async_pool_lock = threading.Lock()
+#: Set (to a list) around a call whose timing must be read before its slot is lent again.
+_CAPTURE_TIMING: contextvars.ContextVar = contextvars.ContextVar("simpledbi_capture_timing", default=None)
 
 
 def _async_executor() -> concurrent.futures.ThreadPoolExecutor:
@@ -153,7 +156,9 @@ class SharedModel:
             self._check_fits(self._h)
         self.namespace = self._h.namespace
         self._attach_lock = threading.Lock()
-        self._local = threading.local()
+        # The last request of the calling thread -- or asyncio task: every thread and every task
+        # sees its own value of a context variable.
+        self._last: contextvars.ContextVar = contextvars.ContextVar(f"simpledbi_last_{id(self)}")
         self._closed = False
         # Detach on close(), at worker exit, or when the handle is garbage-collected: an attached
         # but unused slot would make model processes wait for a request that never comes.
@@ -253,16 +258,29 @@ class SharedModel:
         with the calls in flight). Cancelling the coroutine abandons the call's result; its slot
         is lent again once the answer has arrived."""
         loop = asyncio.get_running_loop()
-        call = functools.partial(self.forward, *inputs, timeout=timeout, **kw_inputs)
-        return await loop.run_in_executor(_async_executor(), call)
+        call = functools.partial(self._forward_keeping_last, inputs, timeout, kw_inputs)
+        out, timing = await loop.run_in_executor(_async_executor(), call)
+        self._last.set(timing)  # in this task's context: last_timing() works here too
+        return out
+
+    def _forward_keeping_last(self, inputs, timeout, kw_inputs):
+        box = []
+        _CAPTURE_TIMING.set(box)  # this executor thread's own context
+        try:
+            out = self.forward(*inputs, timeout=timeout, **kw_inputs)
+        finally:
+            _CAPTURE_TIMING.set(None)
+        return out, box[0] if box else None
 
     def last_timing(self) -> dict:
-        """Where the calling thread's last request spent its time (seconds, ``time.monotonic``
-        clock): ``published``, ``batch_closed`` (its batch started), ``done`` (its result was
-        written), ``woken`` (this thread resumed), and ``batch_rows``."""
-        last = getattr(self._local, "last", None)
+        """Where the calling thread's (or asyncio task's) last request spent its time (seconds,
+        ``time.monotonic`` clock): ``published``, ``batch_closed`` (its batch started), ``done``
+        (its result was written), ``woken`` (the caller resumed), and ``batch_rows``."""
+        last = self._last.get(None)
         if last is None:
             raise RuntimeError("no request has completed on this thread yet")
+        if isinstance(last, dict):  # captured by forward_async
+            return dict(last)
         slot, seq = last
         if slot.seg is None or not slot.answered(seq):
             raise RuntimeError("this thread's last request is no longer on record (its slot has "
@@ -326,7 +344,10 @@ class SharedModel:
         if status != ST_OK:
             self._raise_status(status, text)
         outs = slot.outputs()
-        self._local.last = (slot, seq)
+        self._last.set((slot, seq))
+        box = _CAPTURE_TIMING.get()
+        if box is not None:
+            box.append(slot.timing())
         return outs, structure
 
     def _on_timeout(self, slot: ClientSlot, seq: int):

@@ -1,0 +1,90 @@
+"""A FastAPI app whose web workers share one batched model through simpledbi.
+
+    simpledbi serve --config examples/fastapi_app/serve.toml &
+    SIMPLEDBI_RUNTIME=fastapi-demo uvicorn examples.fastapi_app.app:app --workers 4
+
+Each uvicorn worker process attaches to the runtime by name once; every request handler awaits
+``forward_async``, so concurrent requests of all workers are batched together. Errors map to HTTP:
+400 bad input, 500 the model raised, 503 the model or runtime is down, 504 timeout.
+"""
+from __future__ import annotations
+
+import os
+from contextlib import asynccontextmanager
+from typing import List, Optional
+
+import numpy as np
+from fastapi import FastAPI, HTTPException
+from pydantic import BaseModel
+
+import simpledbi
+from simpledbi import ModelError, ModelProcessDied, RuntimeStopped, SharedModel
+
+MODEL = os.environ.get("SIMPLEDBI_MODEL", "mlp")
+MAX_ROWS = 16
+TIMEOUT = float(os.environ.get("SIMPLEDBI_TIMEOUT", "10"))
+
+
+class PredictRequest(BaseModel):
+    inputs: List[List[float]]          # rows of 16 features
+    timeout: Optional[float] = None    # seconds; default SIMPLEDBI_TIMEOUT
+
+
+class PredictResponse(BaseModel):
+    outputs: List[List[float]]
+    worker_pid: int                    # which web worker served it
+    batch_rows: int                    # rows in the batch this request was computed in
+    batch_closed: float                # when that batch started (time.monotonic, host-wide)
+
+
+@asynccontextmanager
+async def lifespan(app: FastAPI):
+    # One handle per web worker: it waits for the runtime (connect_timeout) and re-attaches by
+    # itself when the runtime restarts.
+    app.state.model = SharedModel(MODEL, (MAX_ROWS, 16), connect_timeout=60)
+    yield
+    app.state.model.close()
+
+
+app = FastAPI(title="simpledbi FastAPI example", lifespan=lifespan)
+
+
+def http_error(e: BaseException) -> HTTPException:
+    """How simpledbi's exceptions read over HTTP."""
+    if isinstance(e, (ValueError, TypeError)):
+        return HTTPException(400, str(e))
+    if isinstance(e, ModelError):
+        return HTTPException(500, str(e))
+    if isinstance(e, (ModelProcessDied, RuntimeStopped)):
+        return HTTPException(503, str(e))
+    if isinstance(e, TimeoutError):
+        return HTTPException(504, str(e))
+    return HTTPException(500, f"{type(e).__name__}: {e}")
+
+
+@app.post("/predict", response_model=PredictResponse)
+async def predict(req: PredictRequest) -> PredictResponse:
+    model: SharedModel = app.state.model
+    try:
+        x = np.asarray(req.inputs, dtype=np.float32)
+        if x.ndim != 2 or not 1 <= x.shape[0] <= MAX_ROWS or x.shape[1] != 16:
+            raise ValueError(f"inputs: expected 1..{MAX_ROWS} rows of 16 numbers, got shape {x.shape}")
+        y = await model.forward_async(x, timeout=TIMEOUT if req.timeout is None else req.timeout)
+    except Exception as e:  # noqa: BLE001 - mapped to a status code
+        raise http_error(e) from e
+    t = model.last_timing()
+    return PredictResponse(outputs=y.tolist(), worker_pid=os.getpid(), batch_rows=t["batch_rows"],
+                           batch_closed=t["batch_closed"])
+
+
+@app.get("/health")
+def health():
+    """200 while the model serves, 503 otherwise (for a load balancer's probe)."""
+    try:
+        info = simpledbi.inspect(app.state.model.runtime)
+    except LookupError as e:
+        raise HTTPException(503, str(e)) from e
+    if not info.ready:
+        raise HTTPException(503, "not ready: " + ", ".join(f"{m.name} {m.state}" for m in info.models))
+    return {"ready": True, "models": {m.name: {"requests": m.requests, "mean_batch_size":
+                                               round(m.mean_batch_size, 2)} for m in info.models}}
