@@ -3,6 +3,7 @@
     simpledbi serve  --name myapp --model resnet50=models/resnet50.pt --model-num 2 --device cuda
     simpledbi serve  --config serve.toml            # several models, every ModelConfig field
     simpledbi status [myapp] [--check] [--json]     # a live table; --check: exit 1 unless ready
+    simpledbi reload resnet50 [--runtime myapp] [--path new.pt]   # rolling, no failed request
 
 ``serve`` starts a standalone runtime under a stable name: processes simpledbi did not start
 (web servers' workers, DataLoader workers, a job system) attach with
@@ -38,6 +39,7 @@ import tomllib
 from typing import Any, Dict, List, Optional, Sequence
 
 from .config import ModelConfig, RuntimeOptions
+from .control import ControlServer
 from .errors import SimpleDBIError
 
 logger = logging.getLogger("simpledbi.serve")
@@ -100,6 +102,14 @@ def _parser() -> argparse.ArgumentParser:
                     "model is ready (a health check)")
     st.add_argument("--json", action="store_true", help="machine-readable output")
     st.set_defaults(func=_status)
+
+    r = sub.add_parser("reload", help="replace a model's processes without failing a request")
+    r.add_argument("model", help="the model to reload")
+    r.add_argument("--runtime", help="runtime name (default: $SIMPLEDBI_RUNTIME, or the only one)")
+    r.add_argument("--path", help="a new TorchScript / .pt2 file (default: load the same again)")
+    r.add_argument("--timeout", type=float, default=60.0, help="seconds the old processes get to "
+                   "finish what they took")
+    r.set_defaults(func=_reload)
     return p
 
 
@@ -210,6 +220,7 @@ def _serve(args: argparse.Namespace) -> int:
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     t0 = time.monotonic()
     runtime = Runtime(cfg.models, cfg.options, name=cfg.name)
+    control = None
     try:
         logger.info("starting runtime %r: %s", cfg.name, ", ".join(
             f"{m.name} ({m.model_num} x {'/'.join(m.device)})" for m in cfg.models))
@@ -219,6 +230,7 @@ def _serve(args: argparse.Namespace) -> int:
             logger.info("interrupted while starting; stopped")
             return 130
         started.set()
+        control = ControlServer(runtime)   # `simpledbi reload`
         where = ""
         if cfg.metrics_port is not None:
             from .metrics import start_metrics_server
@@ -228,14 +240,32 @@ def _serve(args: argparse.Namespace) -> int:
                     "runtime=%r) or SIMPLEDBI_RUNTIME=%s%s", cfg.name, time.monotonic() - t0,
                     runtime.mps.state, cfg.models[0].name, cfg.name, cfg.name, where)
         stop.wait()
+        control.close()
         runtime.drain(cfg.drain_timeout)
         return 0
     finally:
+        if control is not None:
+            control.close()
         runtime.shutdown()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         if started.is_set():
             logger.info("runtime %r stopped", cfg.name)
+
+
+# ---------------------------------------------------------------- reload
+def _reload(args: argparse.Namespace) -> int:
+    from . import control
+    from .status import inspect
+    info = inspect(args.runtime)
+    reply = control.send(info.namespace, {"op": "reload", "model": args.model, "path":
+                                          os.path.abspath(args.path) if args.path else None,
+                                          "timeout": args.timeout})
+    if reply.get("ok"):
+        print(reply.get("message", "reloaded"))
+        return 0
+    print(f"simpledbi reload: {reply.get('error')}", file=sys.stderr)
+    return 1
 
 
 # ---------------------------------------------------------------- status

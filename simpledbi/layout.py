@@ -71,15 +71,18 @@ STARTING, RUNNING, STOPPING, BROKEN, DRAINING = 0, 1, 2, 3, 4
 STATE_NAMES = {STARTING: "starting", RUNNING: "running", STOPPING: "stopping", BROKEN: "broken",
                DRAINING: "draining"}
 # instance states
-INST_LOADING, INST_READY, INST_DEAD, INST_RESTARTING = 0, 1, 2, 3
+# RETIRING (written by the runtime, a rolling reload): claim nothing new, answer what is held, exit.
+INST_LOADING, INST_READY, INST_DEAD, INST_RESTARTING, INST_RETIRING = 0, 1, 2, 3, 4
 INST_STATE_NAMES = {INST_LOADING: "loading", INST_READY: "ready", INST_DEAD: "dead",
-                    INST_RESTARTING: "restarting"}
+                    INST_RESTARTING: "restarting", INST_RETIRING: "retiring"}
 
 HEADER = np.dtype([
     ("magic", "<u8"), ("version", "<i8"), ("state", "<i8"), ("max_slots", "<i8"),
     ("model_num", "<i8"), ("max_batch", "<i8"), ("wait_time", "<f8"), ("supervisor_pid", "<i8"),
-    ("broken_code", "<i8"), ("msg_len", "<i8"), ("reserved", "<i8", (6,)),
+    ("broken_code", "<i8"), ("msg_len", "<i8"), ("bank", "<i8"), ("reserved", "<i8", (5,)),
 ])
+# Instance rows come in two banks of model_num: a rolling reload starts the new processes in the
+# other bank (while the current ones serve), then switches ``bank`` and retires the old ones.
 INSTANCE = np.dtype([
     ("pid", "<i8"), ("state", "<i8"), ("device", "<i8"), ("restarts", "<i8"), ("t_start", "<f8"),
     ("graphs", "<i8"), ("free", "<i8"), ("reserved", "<i8"),
@@ -109,17 +112,17 @@ H_SUM = len(LAT_BOUNDS) + 1
 BATCH_HIST_MAX = 128
 
 
-def _parts(max_slots: int, model_num: int):
+def _parts(max_slots: int, rows: int):
     def part(dtype, shape):
         return dtype, shape, align(int(np.prod(shape)) * np.dtype(dtype).itemsize, 64)
     return {
         "header": part(HEADER, (1,)),
-        "instances": part(INSTANCE, (model_num,)),
+        "instances": part(INSTANCE, (rows,)),
         "claims": part(CLAIM, (max_slots,)),
-        "counters": part(COUNTERS, (model_num,)),
-        "ring": part(np.float64, (model_num, RING, len(B_FIELDS))),
-        "hist": part(np.int64, (model_num, 3, H_SUM + 1)),
-        "batch_hist": part(np.int64, (model_num, BATCH_HIST_MAX + 1)),
+        "counters": part(COUNTERS, (rows,)),
+        "ring": part(np.float64, (rows, RING, len(B_FIELDS))),
+        "hist": part(np.int64, (rows, 3, H_SUM + 1)),
+        "batch_hist": part(np.int64, (rows, BATCH_HIST_MAX + 1)),
         "msg": part(np.uint8, (MSG_BYTES,)),
     }
 
@@ -131,15 +134,16 @@ class ControlBlock:
 
     def __init__(self, seg: Segment, max_slots: int, model_num: int):
         self.seg = seg
+        self._model_num = model_num
         off = 0
-        for k, (dtype, shape, nbytes) in _parts(max_slots, model_num).items():
+        for k, (dtype, shape, nbytes) in _parts(max_slots, 2 * model_num).items():
             setattr(self, k, seg.ndarray(off, dtype, shape))
             off += nbytes
         self.hdr = self.header.reshape(())   # 0-d record: hdr["state"] reads and writes in place
 
     @staticmethod
     def size(max_slots: int, model_num: int) -> int:
-        return sum(p[2] for p in _parts(max_slots, model_num).values())
+        return sum(p[2] for p in _parts(max_slots, 2 * model_num).values())
 
     @classmethod
     def create(cls, namespace: str, model: str, max_slots: int, model_num: int, max_batch: int,
@@ -173,11 +177,25 @@ class ControlBlock:
 
     @property
     def model_num(self) -> int:
+        """Model processes configured (one bank of instance rows)."""
+        return self._model_num
+
+    @property
+    def rows(self) -> int:
+        """Instance rows: two banks (see HEADER)."""
         return self.instances.shape[0]
+
+    def active_rows(self) -> range:
+        bank = int(self.hdr["bank"]) & 1
+        return range(bank * self._model_num, (bank + 1) * self._model_num)
 
     @property
     def state(self) -> int:
         return int(self.hdr["state"])
+
+    @property
+    def state_name(self) -> str:
+        return STATE_NAMES.get(self.state, str(self.state))
 
     def message(self) -> str:
         n = min(max(int(self.hdr["msg_len"]), 0), MSG_BYTES)

@@ -34,7 +34,7 @@ import posix_ipc
 from . import batching
 from .config import ModelConfig, RuntimeOptions
 from .layout import (
-    B_FIELDS, BATCH_HIST_MAX, COUNTERS, H_COMPUTE, H_LATENCY, H_QUEUE, H_SUM, LAT_BOUNDS, INST_DEAD, INST_READY, MAX_IO, MAX_NDIM, OUT_TENSOR, OUT_TUPLE, PUBLISHED, IDLE, RING,
+    B_FIELDS, BATCH_HIST_MAX, COUNTERS, INST_RETIRING, H_COMPUTE, H_LATENCY, H_QUEUE, H_SUM, LAT_BOUNDS, INST_DEAD, INST_READY, MAX_IO, MAX_NDIM, OUT_TENSOR, OUT_TUPLE, PUBLISHED, IDLE, RING,
     ST_BAD_REQUEST, ST_INTERNAL, ST_MODEL_ERROR, ST_OK, ST_STOPPED, STOPPING, DRAINING, ControlBlock, SlotTable,
     doorbell_name, dtype_code,
 )
@@ -135,7 +135,7 @@ class ModelServer:
         self.door = open_semaphore(doorbell_name(spec.namespace, cfg.name))
         inst = self.ctl.instances[self.me]
         inst["pid"], inst["t_start"] = self.pid, time.time()
-        self.engine = Engine(cfg, self.me, spec.cpu_model_procs)
+        self.engine = Engine(cfg, self.me % cfg.model_num, spec.cpu_model_procs)
         dev = self.engine.device
         inst["device"] = -1 if dev.type == "cpu" else (dev.index or 0)
         self.max_batch = int(cfg.max_batch_size)
@@ -156,7 +156,7 @@ class ModelServer:
         self.claim_done = self.ctl.claims["done"]
         self.claim_words = claim_words(self.ctl)
         self.counters = self.ctl.counters[self.me]
-        self.count_words = self.ctl.counters.view(np.int64).reshape(self.ctl.model_num, -1)[self.me]
+        self.count_words = self.ctl.counters.view(np.int64).reshape(self.ctl.rows, -1)[self.me]
         hist = self.ctl.hist[self.me]
         # int64 memoryviews: an element += 1 costs a fraction of a numpy scalar's
         self.h_latency, self.h_queue, self.h_compute = (
@@ -172,6 +172,8 @@ class ModelServer:
         self._free_flag = free[self.me:self.me + 1]
         self._free_flag[0] = 0
         self._free = free   # mine is 0 whenever I look at it
+        self._inst_state = self.ctl.instances["state"][self.me:self.me + 1]
+        self.retiring = False     # a rolling reload replaced me: finish what I hold, then exit
         self.turnaround = batching.Ema()   # seconds from an answer to that client's next request
         self._launch_ema = 0.0    # host seconds to enqueue a forward pass (EMA)
         self._forward_ema = 0.0   # device seconds of a forward pass (EMA)
@@ -213,7 +215,12 @@ class ModelServer:
                 state = int(self.ctl.hdr["state"])
                 if state >= STOPPING and state != DRAINING:  # draining: serve what was published
                     break
-                if self.engine.graphs_pending and not self.deferred and \
+                if self._inst_state[0] == INST_RETIRING:
+                    self.retiring = True
+                if self.retiring and inflight is None and not self.deferred and not self._open:
+                    logger.info("%s retired: every request it took is answered", self.tag)
+                    break
+                if self.engine.graphs_pending and not self.deferred and not self.retiring and \
                         time.monotonic() - self._graph_step_at > _GRAPH_FORCE_AFTER:
                     # Never idle: capture the next graph anyway, between two batches (it stalls
                     # the requests this process would claim next for one capture).
@@ -243,6 +250,8 @@ class ModelServer:
                 if inflight is not None:
                     done, inflight = inflight, None
                     self._complete(done)
+                    continue
+                if self.retiring:
                     continue
                 if self.engine.graphs_pending and not self.deferred:
                     self._capture_step()  # idle: this process holds no request
@@ -371,6 +380,8 @@ class ModelServer:
         (not retried while their claim failed this interval), and how many attached clients could
         send a request now: those with none in flight (IDLE) and those whose answer is written
         but not read yet (about to send again)."""
+        if self.retiring:
+            return [], 0   # claim nothing new; and no one may add to what is left
         t = self.table
         states = t.state
         pub = np.flatnonzero(states == PUBLISHED)
@@ -523,7 +534,10 @@ class ModelServer:
         busy = inflight.launched if inflight is not None else None
         if busy is not None and self._peer_free():
             return []  # an idle peer takes newcomers sooner than my busy device would
-        if not self._drain_doorbell() and not self._rescan and not self.deferred:
+        if self.retiring and not self.deferred:
+            return []  # the doorbell's rings are for the processes that replaced me
+        rang = 0 if self.retiring else self._drain_doorbell()
+        if not rang and not self._rescan and not self.deferred:
             return []  # every publish rings the doorbell after its row is written: nothing new
         pending, may = self._scan()
         batch: List[Request] = []
@@ -561,7 +575,7 @@ class ModelServer:
             pending, may = self._scan()
             self._fill(batch, c, pending)
         self._rescan = c.leftover
-        if self.ctl.model_num > 1 and c.leftover:
+        if (self.ctl.model_num > 1 or self.retiring) and c.leftover:
             self.door.release()  # leftovers (other shapes, no room): wake a peer process
         return batch
 

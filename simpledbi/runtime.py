@@ -24,6 +24,7 @@ the namespace.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import multiprocessing as mp
 import os
@@ -39,7 +40,7 @@ from .errors import ModelError, ModelProcessDied, WorkerError
 from .janitor import janitor_main
 from .logs import LogRelay
 from .layout import (
-    BROKEN, DRAINING, INST_RESTARTING, PUBLISHED, RUNNING, STOPPING, ControlBlock, SlotTable,
+    BROKEN, DRAINING, INST_DEAD, INST_LOADING, INST_RESTARTING, INST_RETIRING, PUBLISHED, RUNNING, STOPPING, ControlBlock, SlotTable,
     doorbell_name, sem_name,
 )
 from .model_process import ModelProcessSpec, model_process_main
@@ -56,10 +57,11 @@ logger = logging.getLogger(__name__)
 class _ModelProc:
     """One incarnation of one model instance."""
 
-    def __init__(self, cfg: ModelConfig, instance: int, proc, conn):
-        self.cfg, self.instance, self.proc, self.conn = cfg, instance, proc, conn
+    def __init__(self, cfg: ModelConfig, instance: int, row: int, proc, conn):
+        self.cfg, self.instance, self.row, self.proc, self.conn = cfg, instance, row, proc, conn
         self.loading = True
         self.exit_handled = False
+        self.retiring = False    # replaced by a rolling reload: its exit is expected
 
     def describe(self) -> str:
         code = self.proc.exitcode
@@ -115,13 +117,16 @@ class Runtime:
         self._wake_r, self._wake_w = None, None
         self._failures: Dict[str, collections.deque] = {m.name: collections.deque() for m in models}
         self._restart_at: Dict[Tuple[str, int], float] = {}
+        self._retired: List[_ModelProc] = []        # replaced by a reload, maybe still finishing
+        self._lifecycle_lock = threading.RLock()     # restarts vs. a reload's switch
+        self._reload_lock = threading.Lock()
         self.broken: Dict[str, str] = {}
         self._started = False
         self._closed = False
 
     @property
     def model_procs(self) -> List[_ModelProc]:
-        return list(self.instances.values())
+        return list(self.instances.values()) + list(self._retired)
 
     # ------------------------------------------------------------ start
     def start(self) -> "Runtime":
@@ -193,10 +198,15 @@ class Runtime:
                 except OSError:
                     pass
 
-    def _spawn_model(self, cfg: ModelConfig, instance: int) -> _ModelProc:
+    def _spawn_model(self, cfg: ModelConfig, instance: int, row: Optional[int] = None) -> _ModelProc:
+        """Start model process ``instance`` of ``cfg`` in control-block row ``row`` (default: its
+        row in the serving bank) and make it the current one -- unless ``row`` is given."""
+        current = row is None
+        if current:
+            row = self.ctls[cfg.name].active_rows()[instance]
         parent_end, child_end = self.ctx.Pipe(duplex=False)
         log_r, log_w = self.ctx.Pipe(duplex=False)
-        spec = ModelProcessSpec(self.namespace, cfg, instance, self.options, os.getpid(), self._cpu_procs,
+        spec = ModelProcessSpec(self.namespace, cfg, row, self.options, os.getpid(), self._cpu_procs,
                                 self.mps.env, log_w, logging.getLogger("simpledbi").getEffectiveLevel())
         proc = self.ctx.Process(target=model_process_main, args=(spec, child_end),
                                 name=f"simpledbi-{cfg.name}-{instance}", daemon=False)
@@ -207,14 +217,17 @@ class Runtime:
             log_w.close()
         self._logs.add(log_r)
         self._tell_janitor("model", proc.pid)
-        m = self.instances[(cfg.name, instance)] = _ModelProc(cfg, instance, proc, parent_end)
+        m = _ModelProc(cfg, instance, row, proc, parent_end)
+        if current:
+            self.instances[(cfg.name, instance)] = m
         return m
 
-    def _await_models(self) -> None:
-        """Block until every model process reported it loaded and warmed up."""
-        deadline = time.monotonic() + max(m.load_timeout for m in self.models)
-        waiting = {m.conn: m for m in self.instances.values()}
-        sentinels = {m.proc.sentinel: m for m in self.instances.values()}
+    def _await_models(self, procs: Optional[List[_ModelProc]] = None) -> None:
+        """Block until every model process (of ``procs``) reported it loaded and warmed up."""
+        procs = list(self.instances.values()) if procs is None else procs
+        deadline = time.monotonic() + max(m.cfg.load_timeout for m in procs)
+        waiting = {m.conn: m for m in procs}
+        sentinels = {m.proc.sentinel: m for m in procs}
         while waiting:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -258,27 +271,29 @@ class Runtime:
                 if now >= next_reap:
                     self.reap_dead_clients()
                     next_reap = now + self.options.poll_interval
-                for key, at in list(self._restart_at.items()):
-                    if at <= now and not self._stop.is_set():
-                        del self._restart_at[key]
-                        self._restart(*key)
+                with self._lifecycle_lock:
+                    for key, at in list(self._restart_at.items()):
+                        if at <= now and not self._stop.is_set():
+                            del self._restart_at[key]
+                            self._restart(*key)
                 timeout = max(0.0, min([next_reap] + list(self._restart_at.values())) - time.monotonic())
                 watch = {self._wake_r: None}
-                for m in list(self.instances.values()):
+                for m in self.model_procs:
                     if m.exit_handled:
                         continue
                     if m.proc.exitcode is not None:  # died (and was reaped) since the last look
                         self._on_model_exit(m)
                         continue
                     watch[m.proc.sentinel] = m       # until its death is handled, not while alive:
-                    if m.loading:                    # is_alive() reaps, and a reaped death must
-                        watch[m.conn] = m            # still be handled
+                    if m.loading and not m.retiring:  # is_alive() reaps, and a reaped death
+                        watch[m.conn] = m            # must still be handled
                 for obj in wait(list(watch), timeout=timeout):
                     if obj == self._wake_r:
                         os.read(self._wake_r, 64)
                         continue
                     m = watch[obj]
-                    if self.instances.get((m.cfg.name, m.instance)) is not m or self._stop.is_set():
+                    if self._stop.is_set() or not m.retiring and \
+                            self.instances.get((m.cfg.name, m.instance)) is not m:
                         continue
                     if obj is m.conn:
                         msg = self._loaded(m)
@@ -308,9 +323,13 @@ class Runtime:
                 m.conn.close()
             except OSError:
                 pass
-        ctl.instances[m.instance]["free"] = 0  # a dead process is not an idle peer
+        ctl.instances[m.row]["free"] = 0  # a dead process is not an idle peer
         self._wake_claimed_by(name, m.proc.pid)
         self._tell_janitor("gone", m.proc.pid)  # never signal a pid the system may reuse
+        if m.retiring:
+            if m.proc.exitcode:
+                logger.warning("%s after it was replaced", text)
+            return
         if ctl.state in (BROKEN, DRAINING):
             return
         now = time.monotonic()
@@ -326,15 +345,15 @@ class Runtime:
             return
         delay = min(m.cfg.restart_backoff * 2 ** (len(failures) - 1), 10.0)
         logger.error("%s; restarting it in %.2f s", text, delay)
-        ctl.instances[m.instance]["state"] = INST_RESTARTING
+        ctl.instances[m.row]["state"] = INST_RESTARTING
         self._restart_at[(name, m.instance)] = now + delay
 
     def _restart(self, name: str, instance: int) -> None:
         cfg = next(c for c in self.models if c.name == name)
         if self.ctls[name].state >= STOPPING:
             return
-        self._spawn_model(cfg, instance)
-        self.ctls[name].instances[instance]["restarts"] += 1
+        m = self._spawn_model(cfg, instance)
+        self.ctls[name].instances[m.row]["restarts"] += 1
 
     def _mark_broken(self, name: str, why: str, code: int) -> None:
         self.broken[name] = why
@@ -377,6 +396,76 @@ class Runtime:
                 logger.info("freed slot %d of model %r: its process exited without closing it",
                             slot, name)
         return reaped
+
+    # ------------------------------------------------------------ rolling reload
+    def reload(self, model: str, path: Optional[str] = None, timeout: float = 60.0) -> ModelConfig:
+        """Replace the processes of ``model`` (with the model at ``path``, else the same source
+        loaded again) without failing a request: start new processes in the other bank of the
+        control block while the current ones serve, switch, then let the old ones answer what
+        they took and exit (terminated after ``timeout`` seconds). If a new process fails to
+        load, it is stopped and the current version keeps serving; the error is raised.
+        Holds both versions in memory meanwhile."""
+        with self._reload_lock:
+            idx = next((k for k, c in enumerate(self.models) if c.name == model), None)
+            if idx is None:
+                raise LookupError(f"no model named {model!r}; this runtime serves "
+                                  f"{[c.name for c in self.models]}")
+            cfg = self.models[idx]
+            if path is not None:
+                if not os.path.isfile(path):
+                    raise FileNotFoundError(f"reload {model!r}: no model file at {path!r}")
+                cfg = dataclasses.replace(cfg, path=os.fspath(path), factory=None)
+            ctl = self.ctls[model]
+            if ctl.state != RUNNING:
+                raise RuntimeError(f"reload {model!r}: the model is {ctl.state_name}, not running")
+            n = cfg.model_num
+            bank = 1 - (int(ctl.hdr["bank"]) & 1)
+            rows = range(bank * n, (bank + 1) * n)
+            for r in rows:
+                ctl.instances[r] = 0
+                ctl.instances[r]["state"] = INST_LOADING
+            fresh = [self._spawn_model(cfg, i, row=rows[i]) for i in range(n)]
+            try:
+                self._await_models(fresh)
+            except BaseException as e:
+                for m in fresh:
+                    m.retiring = True
+                    self._retire(ctl, m)
+                    m.proc.kill()
+                    m.proc.join(self.options.join_timeout)
+                raise RuntimeError(f"reload {model!r} failed; the running version keeps serving: "
+                                   f"{type(e).__name__}: {e}") from e
+            with self._lifecycle_lock:
+                old = [self.instances[(model, i)] for i in range(n)]
+                for i, m in enumerate(fresh):
+                    self.instances[(model, i)] = m
+                    self._restart_at.pop((model, i), None)
+                self.models[idx] = cfg
+                ctl.hdr["bank"] = bank          # the new processes serve already; now they own it
+                for m in old:
+                    m.retiring = True
+                    self._retire(ctl, m)
+            for _ in range(2 * n):
+                self.doorbells[model].release()  # sleepers look again; old ones see they retire
+            logger.info("model %r reloaded%s: %d new process(es) serve; the old ones finish what "
+                        "they took", model, f" from {path}" if path else "", n)
+            deadline = time.monotonic() + timeout
+            for m in old:
+                m.proc.join(max(0.0, deadline - time.monotonic()))
+            for m in old:
+                if m.proc.is_alive():
+                    logger.warning("model %r: old process %d (pid %d) did not finish within %.0f s; "
+                                   "terminating it", model, m.instance, m.proc.pid, timeout)
+                    m.proc.terminate()
+                    m.proc.join(self.options.join_timeout)
+            return cfg
+
+    def _retire(self, ctl: ControlBlock, m: _ModelProc) -> None:
+        if ctl.instances[m.row]["state"] != INST_DEAD:
+            ctl.instances[m.row]["state"] = INST_RETIRING
+        ctl.instances[m.row]["free"] = 0
+        self._retired.append(m)
+        os.write(self._wake_w, b"r")  # the supervisor watches its exit from now on
 
     # ------------------------------------------------------------ workers
     def run_workers(self, target: Callable, worker_num: int, args=(), kwargs=None) -> List[Any]:

@@ -20,7 +20,7 @@ def batch_records(ctl, since: Optional[float] = None, until: Optional[float] = N
     ``since``/``until`` keep batches that closed in that ``time.monotonic()`` window.
     """
     out = []
-    for inst in range(ctl.model_num):
+    for inst in range(ctl.rows):
         head = int(ctl.counters["ring_head"][inst])
         n = min(head, RING)
         if n == 0:

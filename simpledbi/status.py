@@ -16,7 +16,7 @@ import numpy as np
 
 from . import naming
 from .layout import (
-    B_FIELDS, FREE, H_COMPUTE, H_LATENCY, H_QUEUE, H_SUM, INST_STATE_NAMES, LAT_BOUNDS, PUBLISHED,
+    B_FIELDS, FREE, H_COMPUTE, H_LATENCY, H_QUEUE, H_SUM, INST_RETIRING, INST_STATE_NAMES, LAT_BOUNDS, PUBLISHED,
     STATE_NAMES, ControlBlock, SlotTable,
 )
 from .shm import SHM_DIR, pid_alive
@@ -170,9 +170,12 @@ def _listdir(namespace: str) -> List[str]:
 def _model_info(name: str, ctl: ControlBlock, table: SlotTable) -> ModelInfo:
     inst, c = ctl.instances.copy(), ctl.counters.copy()
     instances = []
-    for i in range(ctl.model_num):
+    active = set(ctl.active_rows())
+    for i in range(ctl.rows):   # the serving bank, and old processes still finishing (a reload)
         row = inst[i]
         pid, dev = int(row["pid"]), int(row["device"])
+        if i not in active and not (row["state"] == INST_RETIRING and pid_alive(pid)):
+            continue
         instances.append(InstanceInfo(
             index=i, pid=pid, device="cpu" if dev < 0 else f"cuda:{dev}",
             state=INST_STATE_NAMES.get(int(row["state"]), str(int(row["state"]))),

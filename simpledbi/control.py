@@ -1,0 +1,112 @@
+"""Commands to a running ``simpledbi serve``: a Unix socket in the runtime's private namespace
+directory (mode 0700: only its user can connect), one JSON line each way.
+
+    simpledbi reload resnet50 --path models/resnet50_v2.pt     ->  {"op": "reload", ...}
+
+The serve process answers once the command is done (a reload: new processes serve, old ones
+finished), so the command's exit status says whether it worked.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+from typing import Optional
+
+from .shm import ns_path
+
+logger = logging.getLogger(__name__)
+
+SOCKET_NAME = "control.sock"
+_MAX_LINE = 1 << 16
+
+
+def socket_path(namespace: str) -> str:
+    return ns_path(namespace, SOCKET_NAME)
+
+
+class ControlServer:
+    """Accepts commands for ``runtime`` on a thread of its own, one connection at a time."""
+
+    def __init__(self, runtime):
+        self.runtime = runtime
+        self.path = socket_path(runtime.namespace)
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.bind(self.path)
+        self.sock.listen(8)
+        self._closed = False
+        self.thread = threading.Thread(target=self._serve, name="simpledbi-control", daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while not self._closed:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return  # closed
+            with conn:
+                try:
+                    reply = self._handle(_read_line(conn))
+                except Exception as e:  # noqa: BLE001 - every failure is an answer
+                    reply = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+                try:
+                    conn.sendall(json.dumps(reply).encode() + b"\n")
+                except OSError:
+                    pass
+
+    def _handle(self, line: bytes) -> dict:
+        try:
+            msg = json.loads(line)
+        except ValueError:
+            return {"ok": False, "error": "expected one JSON object per line"}
+        op = msg.get("op") if isinstance(msg, dict) else None
+        if op == "reload":
+            model, path = msg.get("model"), msg.get("path")
+            timeout = float(msg.get("timeout", 60.0))
+            if not isinstance(model, str) or (path is not None and not isinstance(path, str)):
+                return {"ok": False, "error": "reload: expected a model name and an optional path"}
+            logger.info("reload of %r requested%s", model, f" from {path}" if path else "")
+            cfg = self.runtime.reload(model, path, timeout)
+            return {"ok": True, "message": f"model {model!r} reloaded from "
+                    f"{cfg.path or getattr(cfg.factory, '__qualname__', cfg.factory)}"}
+        return {"ok": False, "error": f"unknown op {op!r}; expected 'reload'"}
+
+    def close(self) -> None:
+        self._closed = True
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+
+def _read_line(conn: socket.socket) -> bytes:
+    data = b""
+    while not data.endswith(b"\n") and len(data) < _MAX_LINE:
+        chunk = conn.recv(4096)
+        if not chunk:
+            break
+        data += chunk
+    return data
+
+
+def send(namespace: str, message: dict, timeout: Optional[float] = None) -> dict:
+    """Send one command to the serve process of ``namespace`` and return its answer."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(timeout)
+        try:
+            s.connect(socket_path(namespace))
+        except (FileNotFoundError, ConnectionRefusedError):
+            raise LookupError("this runtime takes no commands (only `simpledbi serve` does)") from None
+        s.sendall(json.dumps(message).encode() + b"\n")
+        line = _read_line(s)
+    try:
+        return json.loads(line)
+    except ValueError:
+        raise RuntimeError(f"unreadable answer from the runtime: {line[:200]!r}") from None

@@ -1,0 +1,140 @@
+"""Rolling reload: new model processes take over while the old ones finish what they took --
+no request fails, none is answered by a half-switched model, and a failed load changes nothing."""
+from __future__ import annotations
+
+import functools
+import os
+import secrets
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from simpledbi import SharedModel, naming
+from simpledbi.runtime import Runtime
+
+from . import models
+from .conftest import FAST, cpu_model
+from .test_serve import ROOT, _serve, _stop, _wait_for
+
+
+class Triple(torch.nn.Module):
+    def forward(self, x):
+        return x * 3 + 1
+
+
+def _scripted(tmp_path) -> str:
+    path = str(tmp_path / "triple.pt")
+    torch.jit.script(Triple()).save(path)
+    return path
+
+
+def _hammer(client, stop: threading.Event, seen: list, errors: list, seed: int):
+    """Send requests until ``stop``; each answer must be 2x+1 (old) or 3x+1 (new)."""
+    rng = np.random.default_rng(seed)
+    while not stop.is_set():
+        x = rng.standard_normal((1, 3)).astype(np.float32) + 5
+        try:
+            y = client.forward(x, timeout=60)
+        except BaseException as e:  # noqa: BLE001 - reported by the test
+            errors.append(e)
+            return
+        if np.array_equal(y, x * 3 + 1):
+            seen.append(3)
+        elif np.array_equal(y, x * 2 + 1):
+            seen.append(2)
+        else:
+            errors.append(AssertionError(f"{y} is neither version's answer to {x}"))
+            return
+
+
+@pytest.mark.timeout(180)
+def test_reload_under_load_fails_no_request_and_the_old_version_finishes_what_it_took(gate, tmp_path):
+    path = _scripted(tmp_path)
+    cfg = cpu_model("m", functools.partial(models.gated, gate.name), model_num=2, max_batch_size=4)
+    with Runtime([cfg], FAST) as rt:
+        client = SharedModel("m", (1, 3), namespace=rt.namespace)
+        held = {}
+        gated = np.full((1, 3), models.GATE, np.float32)
+        t_gated = threading.Thread(target=lambda: held.setdefault("y", client.forward(gated, timeout=120)))
+        t_gated.start()
+        gate.wait_entered()                    # an old process is inside forward with it
+        stop, seen, errors = threading.Event(), [], []
+        hammers = [threading.Thread(target=_hammer, args=(client, stop, seen, errors, k)) for k in range(4)]
+        for t in hammers:
+            t.start()
+        done = {}
+        reloader = threading.Thread(target=lambda: done.setdefault("cfg", rt.reload("m", path, timeout=120)))
+        reloader.start()
+        # the new version answers while the old process still holds the gated request
+        probe = np.ones((1, 3), np.float32)
+        while not np.array_equal(client.forward(probe, timeout=60), probe * 3 + 1):
+            pass
+        assert reloader.is_alive()             # it waits for the old process to finish
+        gate.open()
+        reloader.join(120)
+        t_gated.join(60)
+        np.testing.assert_array_equal(held["y"], gated * 2 + 1)   # answered by the old version
+        after = len(seen)
+        x = np.full((1, 3), 4, np.float32)
+        for _ in range(20):
+            np.testing.assert_array_equal(client.forward(x), x * 3 + 1)
+        stop.set()
+        for t in hammers:
+            t.join(60)
+        assert errors == [] and 3 in seen
+        assert all(v == 3 for v in seen[after + 4:])  # once reload returned: only the new version
+        assert done["cfg"].path == path
+        assert {m.proc.is_alive() for m in rt.model_procs if m.retiring} <= {False}
+        assert client.stats()["restarts"] == 0
+        client.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_reload_that_fails_to_load_leaves_the_running_version_serving(tmp_path):
+    bad = tmp_path / "broken.pt"
+    bad.write_bytes(b"not a torchscript file")
+    with Runtime([cpu_model("m", models.affine)], FAST) as rt:
+        with SharedModel("m", (1, 3), namespace=rt.namespace) as client:
+            x = np.ones((1, 3), np.float32)
+            pids = [m.proc.pid for m in rt.instances.values()]
+            with pytest.raises(RuntimeError, match="reload 'm' failed; the running version keeps serving"):
+                rt.reload("m", str(bad))
+            np.testing.assert_array_equal(client.forward(x, timeout=30), x * 2 + 1)
+            assert [m.proc.pid for m in rt.instances.values()] == pids
+            with pytest.raises(FileNotFoundError, match="no model file at"):
+                rt.reload("m", str(tmp_path / "missing.pt"))
+            with pytest.raises(LookupError, match=r"no model named 'zz'; this runtime serves \['m'\]"):
+                rt.reload("zz")
+
+
+@pytest.mark.timeout(180)
+def test_simpledbi_reload_command_reaches_a_serve_process(tmp_path):
+    path = _scripted(tmp_path)
+    name = f"t{os.getpid()}-{secrets.token_hex(3)}"
+    proc = _serve(name, "--model", "m=tests.models:affine")
+    try:
+        _wait_for(proc, "ready")
+        client = SharedModel("m", (1, 3), runtime=name)
+        x = np.ones((1, 3), np.float32)
+        np.testing.assert_array_equal(client.forward(x), x * 2 + 1)
+        out = subprocess.run([sys.executable, "-m", "simpledbi", "reload", "m", "--runtime", name,
+                              "--path", path], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        assert f"model 'm' reloaded from {path}" in out.stdout
+        np.testing.assert_array_equal(client.forward(x), x * 3 + 1)
+        status = subprocess.run([sys.executable, "-m", "simpledbi", "status", name], cwd=ROOT,
+                                capture_output=True, text=True, timeout=60)
+        assert "requests 2" in status.stdout and " ready " in status.stdout
+        bad = subprocess.run([sys.executable, "-m", "simpledbi", "reload", "nope", "--runtime", name],
+                             cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert bad.returncode == 1 and "no model named 'nope'" in bad.stderr
+        client.close()
+        proc.terminate()
+        assert proc.wait(60) == 0
+        assert naming.read(name) is None
+    finally:
+        _stop(proc)
