@@ -200,6 +200,11 @@ class ModelConfig:
         """The device string of model process ``instance`` (devices are dealt round-robin)."""
         return self.device[instance % len(self.device)]
 
+    def gpu_ordinal(self, instance: int) -> int:
+        """Among the instances dealt the same ``device`` entry, which one this is: instances on
+        an unindexed "cuda" / "auto" entry are spread over every visible GPU by it."""
+        return instance // len(self.device)
+
 
 @dataclass(frozen=True)
 class RuntimeOptions:

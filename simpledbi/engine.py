@@ -80,14 +80,16 @@ def _read_into(buf: np.ndarray, sources, short: set) -> None:
         pos += nbytes
 
 
-def resolve_device(device: str) -> torch.device:
+def resolve_device(device: str, ordinal: int = 0) -> torch.device:
+    """``"cuda"`` and ``"auto"`` (with a GPU) mean *every visible GPU*: the ``ordinal``-th
+    instance on such an entry gets GPU ``ordinal % device_count`` (CUDA_VISIBLE_DEVICES applies)."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise RuntimeError(f"device {device!r} requested but torch.cuda.is_available() is False")
     dev = torch.device(device)
     if dev.type == "cuda" and dev.index is None:
-        dev = torch.device("cuda", torch.cuda.current_device())
+        dev = torch.device("cuda", ordinal % torch.cuda.device_count())
     return dev
 
 
@@ -133,7 +135,7 @@ class Engine:
 
     def __init__(self, cfg: ModelConfig, instance: int, model_procs_on_cpu: int = 1):
         self.cfg = cfg
-        self.device = resolve_device(cfg.device_of(instance))
+        self.device = resolve_device(cfg.device_of(instance), cfg.gpu_ordinal(instance))
         self.cuda = self.device.type == "cuda"
         threads = cfg.num_threads or (1 if self.cuda else max(1, (os.cpu_count() or 1) // max(1, model_procs_on_cpu)))
         torch.set_num_threads(threads)

@@ -117,7 +117,7 @@ def _parts(max_slots: int, rows: int):
         return dtype, shape, align(int(np.prod(shape)) * np.dtype(dtype).itemsize, 64)
     return {
         "header": part(HEADER, (1,)),
-        "instances": part(INSTANCE, (rows,)),
+        "all_instances": part(INSTANCE, (rows,)),
         "claims": part(CLAIM, (max_slots,)),
         "counters": part(COUNTERS, (rows,)),
         "ring": part(np.float64, (rows, RING, len(B_FIELDS))),
@@ -130,7 +130,7 @@ def _parts(max_slots: int, rows: int):
 class ControlBlock:
     """Views into one model's control file. Clients attach it read-only."""
 
-    PARTS = ("header", "instances", "claims", "counters", "ring", "hist", "batch_hist", "msg")
+    PARTS = ("header", "all_instances", "claims", "counters", "ring", "hist", "batch_hist", "msg")
 
     def __init__(self, seg: Segment, max_slots: int, model_num: int):
         self.seg = seg
@@ -183,11 +183,18 @@ class ControlBlock:
     @property
     def rows(self) -> int:
         """Instance rows: two banks (see HEADER)."""
-        return self.instances.shape[0]
+        return self.all_instances.shape[0]
 
     def active_rows(self) -> range:
         bank = int(self.hdr["bank"]) & 1
         return range(bank * self._model_num, (bank + 1) * self._model_num)
+
+    @property
+    def instances(self) -> np.ndarray:
+        """The INSTANCE rows of the serving bank (``model_num`` of them); ``all_instances`` has
+        both banks, indexed by a model process's row."""
+        r = self.active_rows()
+        return self.all_instances[r.start:r.stop]
 
     @property
     def state(self) -> int:

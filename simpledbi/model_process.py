@@ -133,7 +133,7 @@ class ModelServer:
         self.ctl = ControlBlock.attach(spec.namespace, cfg.name, readonly=False)
         self.table = SlotTable.attach(spec.namespace, cfg.name, self.ctl.max_slots)
         self.door = open_semaphore(doorbell_name(spec.namespace, cfg.name))
-        inst = self.ctl.instances[self.me]
+        inst = self.ctl.all_instances[self.me]
         inst["pid"], inst["t_start"] = self.pid, time.time()
         self.engine = Engine(cfg, self.me % cfg.model_num, spec.cpu_model_procs)
         dev = self.engine.device
@@ -168,11 +168,11 @@ class ModelServer:
         self._graph_step_at = time.monotonic()
         # INSTANCE.free: 1 while this process sleeps with nothing claimed or running. A peer whose
         # device is busy leaves new requests to it rather than claiming them for later.
-        free = self.ctl.instances["free"]
+        free = self.ctl.all_instances["free"]
         self._free_flag = free[self.me:self.me + 1]
         self._free_flag[0] = 0
         self._free = free   # mine is 0 whenever I look at it
-        self._inst_state = self.ctl.instances["state"][self.me:self.me + 1]
+        self._inst_state = self.ctl.all_instances["state"][self.me:self.me + 1]
         self.retiring = False     # a rolling reload replaced me: finish what I hold, then exit
         self.turnaround = batching.Ema()   # seconds from an answer to that client's next request
         self._launch_ema = 0.0    # host seconds to enqueue a forward pass (EMA)
@@ -288,7 +288,7 @@ class ModelServer:
     def _capture_step(self) -> None:
         self.engine.capture_step()
         self._graph_step_at = time.monotonic()
-        self.ctl.instances[self.me]["graphs"] = self.engine.graph_count
+        self.ctl.all_instances[self.me]["graphs"] = self.engine.graph_count
 
     def close(self) -> None:
         for peer in list(self.peers.values()) + list(self.retired):
@@ -300,8 +300,8 @@ class ModelServer:
         except Exception:  # noqa: BLE001 - best effort at exit
             logger.debug("%s engine close failed", self.tag, exc_info=True)
         try:
-            self.ctl.instances[self.me]["free"] = 0
-            self.ctl.instances[self.me]["state"] = INST_DEAD
+            self.ctl.all_instances[self.me]["free"] = 0
+            self.ctl.all_instances[self.me]["state"] = INST_DEAD
         except Exception:  # noqa: BLE001
             pass
         for view in (self.h_latency, self.h_queue, self.h_compute, self.h_batch):

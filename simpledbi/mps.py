@@ -70,13 +70,27 @@ def daemon_env(directory: str) -> Dict[str, str]:
     return {PIPE_VAR: os.path.join(directory, "pipe"), LOG_VAR: os.path.join(directory, "log")}
 
 
-def _gpu_of(device: str) -> Optional[str]:
-    """The CUDA device a model process with ``device`` lands on, None for the CPU. "cuda" is the
-    current device, cuda:0 in a fresh process; "auto" is too whenever there is a GPU (the parent
-    never imports torch to check: without a GPU the MPS binary is normally absent as well)."""
+def visible_gpu_count() -> int:
+    """GPUs a model process will see, without initialising CUDA here: the driver's list,
+    capped by CUDA_VISIBLE_DEVICES. 0 when unknown (then everything counts as cuda:0)."""
+    try:
+        n = len(os.listdir("/proc/driver/nvidia/gpus"))
+    except OSError:
+        return 0
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        n = min(n, len([v for v in visible.split(",") if v.strip()]))
+    return n
+
+
+def _gpu_of(device: str, ordinal: int = 0, gpus: int = 1) -> Optional[str]:
+    """The CUDA device a model process with ``device`` lands on, None for the CPU. "cuda" and
+    "auto" spread instances over the visible GPUs (engine.resolve_device); "auto" counts as a GPU
+    whenever there is one (the parent never imports torch to check: without a GPU the MPS binary
+    is normally absent as well)."""
     if device == "cpu":
         return None
-    return device if ":" in device else "cuda:0"
+    return device if ":" in device else f"cuda:{ordinal % max(gpus, 1)}"
 
 
 def wanted(mode: str, models: Sequence) -> Optional[str]:
@@ -86,8 +100,10 @@ def wanted(mode: str, models: Sequence) -> Optional[str]:
         return None
     if mode == "on":
         return "mps='on'"
+    gpus = visible_gpu_count()
     per_gpu = collections.Counter(gpu for cfg in models for i in range(cfg.model_num)
-                                  if (gpu := _gpu_of(cfg.device_of(i))) is not None)
+                                  if (gpu := _gpu_of(cfg.device_of(i), cfg.gpu_ordinal(i), gpus))
+                                  is not None)
     shared = [f"{n} model processes on {gpu}" for gpu, n in sorted(per_gpu.items()) if n > 1]
     return ", ".join(shared) or None
 

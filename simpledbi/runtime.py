@@ -323,7 +323,7 @@ class Runtime:
                 m.conn.close()
             except OSError:
                 pass
-        ctl.instances[m.row]["free"] = 0  # a dead process is not an idle peer
+        ctl.all_instances[m.row]["free"] = 0  # a dead process is not an idle peer
         self._wake_claimed_by(name, m.proc.pid)
         self._tell_janitor("gone", m.proc.pid)  # never signal a pid the system may reuse
         if m.retiring:
@@ -345,7 +345,7 @@ class Runtime:
             return
         delay = min(m.cfg.restart_backoff * 2 ** (len(failures) - 1), 10.0)
         logger.error("%s; restarting it in %.2f s", text, delay)
-        ctl.instances[m.row]["state"] = INST_RESTARTING
+        ctl.all_instances[m.row]["state"] = INST_RESTARTING
         self._restart_at[(name, m.instance)] = now + delay
 
     def _restart(self, name: str, instance: int) -> None:
@@ -353,7 +353,7 @@ class Runtime:
         if self.ctls[name].state >= STOPPING:
             return
         m = self._spawn_model(cfg, instance)
-        self.ctls[name].instances[m.row]["restarts"] += 1
+        self.ctls[name].all_instances[m.row]["restarts"] += 1
 
     def _mark_broken(self, name: str, why: str, code: int) -> None:
         self.broken[name] = why
@@ -422,8 +422,8 @@ class Runtime:
             bank = 1 - (int(ctl.hdr["bank"]) & 1)
             rows = range(bank * n, (bank + 1) * n)
             for r in rows:
-                ctl.instances[r] = 0
-                ctl.instances[r]["state"] = INST_LOADING
+                ctl.all_instances[r] = 0
+                ctl.all_instances[r]["state"] = INST_LOADING
             fresh = [self._spawn_model(cfg, i, row=rows[i]) for i in range(n)]
             try:
                 self._await_models(fresh)
@@ -461,9 +461,9 @@ class Runtime:
             return cfg
 
     def _retire(self, ctl: ControlBlock, m: _ModelProc) -> None:
-        if ctl.instances[m.row]["state"] != INST_DEAD:
-            ctl.instances[m.row]["state"] = INST_RETIRING
-        ctl.instances[m.row]["free"] = 0
+        if ctl.all_instances[m.row]["state"] != INST_DEAD:
+            ctl.all_instances[m.row]["state"] = INST_RETIRING
+        ctl.all_instances[m.row]["free"] = 0
         self._retired.append(m)
         os.write(self._wake_w, b"r")  # the supervisor watches its exit from now on
 

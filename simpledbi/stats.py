@@ -54,7 +54,7 @@ def summarize(ctl) -> dict:
         "bad_requests": int(c["bad_requests"].sum()),
         # answered later than ModelConfig.latency_target (0 when no target is set)
         "over_target": int(c["over_target"].sum()),
-        "restarts": int(ctl.instances["restarts"].sum()),
+        "restarts": int(ctl.all_instances["restarts"].sum()),
         "cuda_graphs": int(ctl.instances["graphs"].sum()),   # captured (item shape, batch size) pairs
         "mean_batch_size": rows / batches if batches else 0.0,
         "mean_requests_per_batch": requests / batches if batches else 0.0,

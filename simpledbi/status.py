@@ -168,7 +168,7 @@ def _listdir(namespace: str) -> List[str]:
 
 
 def _model_info(name: str, ctl: ControlBlock, table: SlotTable) -> ModelInfo:
-    inst, c = ctl.instances.copy(), ctl.counters.copy()
+    inst, c = ctl.all_instances.copy(), ctl.counters.copy()
     instances = []
     active = set(ctl.active_rows())
     for i in range(ctl.rows):   # the serving bank, and old processes still finishing (a reload)

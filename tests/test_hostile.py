@@ -376,9 +376,9 @@ def test_a_forged_token_in_a_claimed_clients_row_does_not_lose_its_answer(start_
     table, claims = rt.tables["affine"], rt.ctls["affine"].claims
     x = np.full((1, 2), 4.0, np.float32)
     out = {}
+    slot = victim._h.idle[0].index   # its only slot, which the call below borrows
     t = threading.Thread(target=lambda: out.setdefault("y", victim.forward(x, timeout=10)))
     t.start()
-    slot = victim._h.busy and next(iter(victim._h.busy)).index
     _wait_for(lambda: int(claims["seq"][slot]) == int(table.seq[slot]) > 0)
     table.token[slot] ^= 2
     rt.doorbells["affine"].release()

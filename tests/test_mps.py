@@ -202,8 +202,32 @@ def _cfg(device, model_num=1, name="m"):
     ("off", [_cfg("cuda", 8)], None),
     ("on", [_cfg("cpu", 1)], "mps='on'"),
 ])
-def test_which_placements_want_mps(mode, models, expected):
+def test_which_placements_want_mps(mode, models, expected, monkeypatch):
+    monkeypatch.setattr(mps, "visible_gpu_count", lambda: 1)
     assert mps.wanted(mode, models) == expected
+
+
+@pytest.mark.parametrize("models,expected", [
+    ([_cfg("cuda", 2)], None),                                           # one per GPU
+    ([_cfg("auto", 4)], "2 model processes on cuda:0, 2 model processes on cuda:1"),
+    ([_cfg(["cuda", "cpu"], 4)], None),                                  # 2 on "cuda": spread
+    ([_cfg("cuda:1", 1, "a"), _cfg("cuda", 2, "b")], "2 model processes on cuda:1"),
+])
+def test_cuda_and_auto_spread_instances_over_every_visible_gpu(models, expected, monkeypatch):
+    monkeypatch.setattr(mps, "visible_gpu_count", lambda: 2)
+    assert mps.wanted("auto", models) == expected
+    assert [models[-1].gpu_ordinal(i) for i in range(4)] == \
+        ([0, 0, 1, 1] if len(models[-1].device) == 2 else [0, 1, 2, 3])
+
+
+def test_visible_gpus_follow_cuda_visible_devices(monkeypatch, tmp_path):
+    real_listdir = os.listdir
+    monkeypatch.setattr(os, "listdir", lambda p: ["a", "b", "c", "d"]
+                        if p == "/proc/driver/nvidia/gpus" else real_listdir(p))
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert mps.visible_gpu_count() == 4
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    assert mps.visible_gpu_count() == 2
 
 
 def test_a_daemon_that_is_not_ours_is_recognised(tmp_path):
