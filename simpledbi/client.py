@@ -13,13 +13,14 @@ import asyncio
 import concurrent.futures
 import contextvars
 import functools
+import collections
 import logging
 import os
 import sys
 import threading
 import time
 import weakref
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -27,8 +28,8 @@ from . import naming
 from . import stats as _stats
 from .errors import ModelError, ModelProcessDied, RuntimeStopped
 from .layout import (
-    BROKEN, MAX_IO, MAX_NDIM, OUT_TUPLE, ST_BAD_REQUEST, ST_INTERNAL, ST_MODEL_ERROR, ST_OK, ST_STOPPED,
-    STOPPING, ControlBlock, SlotTable, code_dtype, doorbell_name, dtype_code,
+    BROKEN, MAX_IO, MAX_NDIM, OUT_DICT, OUT_TENSOR, OUT_TUPLE, ST_BAD_REQUEST, ST_INTERNAL, ST_MODEL_ERROR,
+    ST_OK, ST_STOPPED, STOPPING, ControlBlock, SlotTable, code_dtype, decode_names, doorbell_name, dtype_code,
 )
 from .shm import SHM_DIR, open_semaphore, pid_alive
 from .slots import ClientSlot
@@ -91,6 +92,67 @@ def _bad_shape(max_shape):
                     f"them for several inputs, got {max_shape!r}")
 
 
+def _declared_inputs(ctl: ControlBlock):
+    """(input names, item shapes, dtypes) the model declares, as the runtime published them in
+    its control block before it was RUNNING (empty where it declares none, or not yet)."""
+    names, shapes, dtypes = ctl.declared()
+    return names, shapes, tuple(np.dtype(d) for d in dtypes)
+
+
+def _client_inputs(model: str, declared, max_shape, dtype, max_batch: int):
+    """This client's (max_shapes, dtypes): as given, else as the model declares them (rows:
+    its max_batch_size; dtype: float32 where undeclared). A dtype that contradicts the
+    declared one is refused here, not by the model process later."""
+    names, shapes, decl_dtypes = declared
+    if max_shape is None:
+        if not shapes:
+            raise TypeError(f"SharedModel({model!r}): expected max_shape=(rows, *item_shape), since the "
+                            f"model declares no input shapes (or declare input_shapes in its ModelConfig)")
+        max_shapes = tuple((max_batch, *s) for s in shapes)
+    else:
+        max_shapes = _normalize_shapes(max_shape)
+    n_in = len(max_shapes)
+    if dtype is None:
+        dtypes = list(decl_dtypes[:n_in]) + ["float32"] * (n_in - len(decl_dtypes))
+    elif isinstance(dtype, (list, tuple)):
+        dtypes = list(dtype)
+        if len(dtypes) != n_in:
+            raise ValueError(f"dtype: expected {n_in} dtypes (one per input), got {len(dtypes)}")
+    else:
+        dtypes = [dtype] * n_in
+    dtypes = [code_dtype(dtype_code(d)) for d in dtypes]
+    for k, (got, want) in enumerate(zip(dtypes, decl_dtypes)):
+        if got != want:
+            raise TypeError(f"dtype: input {_label(names, k)}: model {model!r} declares {want}, got {got}")
+    return max_shapes, dtypes
+
+
+def _label(names: Sequence[str], k: int) -> str:
+    return repr(names[k]) if k < len(names) else str(k)
+
+
+_BUILDERS: Dict[Tuple[int, bytes], object] = {}   # (structure, names text) -> outputs -> result
+
+
+def _restructure(outs: list, structure: int, names: bytes):
+    """The model's output structure around ``outs``: a tensor, tuple, dict or namedtuple."""
+    if structure == OUT_TENSOR:
+        return outs[0]
+    if structure == OUT_TUPLE:
+        return tuple(outs)
+    build = _BUILDERS.get((structure, names))
+    if build is None:  # parsed once per distinct structure: the steady state costs a lookup
+        type_name, keys = decode_names(names)
+        if structure == OUT_DICT:
+            build = lambda outs, keys=keys: dict(zip(keys, outs))  # noqa: E731
+        else:
+            build = collections.namedtuple(type_name, keys, rename=True)._make
+        if len(_BUILDERS) > 256:
+            _BUILDERS.clear()
+        _BUILDERS[(structure, names)] = build
+    return build(outs)
+
+
 def _is_torch(x) -> bool:
     return type(x).__module__.startswith("torch") and "torch" in sys.modules and \
         isinstance(x, sys.modules["torch"].Tensor)
@@ -101,8 +163,11 @@ class SharedModel:
 
     ``max_shape`` is the largest request this client will send, rows first; requests may be
     smaller in every dimension. Give a list of shapes for a model with several inputs, and
-    ``dtype`` (one, or one per input) when inputs are not float32. Safe to share between threads
-    and to keep across ``fork`` (a child gets slots of its own).
+    ``dtype`` (one, or one per input) when inputs are not float32. Both default to what the
+    model declares (``ModelConfig.input_shapes`` with ``max_batch_size`` rows, ``input_dtypes``).
+    Input ``k`` of the client is the model's ``k``-th input name (:attr:`input_names`), so
+    inputs may also be passed by name. Safe to share between threads and to keep across
+    ``fork`` (a child gets slots of its own).
 
     Which runtime: ``namespace=`` (``Runtime.namespace``), else ``runtime=`` (a runtime started
     with a name, e.g. ``simpledbi serve --name myapp``), else the one that started this process
@@ -111,27 +176,12 @@ class SharedModel:
     the next call.
     """
 
-    def __init__(self, name: str, max_shape, dtype=None, *, runtime: Optional[str] = None,
+    def __init__(self, name: str, max_shape=None, dtype=None, *, runtime: Optional[str] = None,
                  namespace: Optional[str] = None, poll_interval: float = 0.5,
                  connect_timeout: float = 30.0):
         if not isinstance(name, str):
             raise TypeError(f"name: expected str, got {type(name).__name__}")
         self.name = name
-        self.max_shapes = _normalize_shapes(max_shape)
-        n_in = len(self.max_shapes)
-        if dtype is None:
-            dtypes = ["float32"] * n_in
-        elif isinstance(dtype, (list, tuple)):
-            dtypes = list(dtype)
-            if len(dtypes) != n_in:
-                raise ValueError(f"dtype: expected {n_in} dtypes (one per input), got {len(dtypes)}")
-        else:
-            dtypes = [dtype] * n_in
-        self.dtypes = [code_dtype(dtype_code(d)) for d in dtypes]
-        self.max_rows = self.max_shapes[0][0]
-        if any(s[0] != self.max_rows for s in self.max_shapes):
-            raise ValueError(f"max_shape: every input needs the same row count, got "
-                             f"{[s[0] for s in self.max_shapes]}")
         if not (isinstance(poll_interval, (int, float)) and 0.001 <= poll_interval <= 60):
             raise ValueError(f"poll_interval: expected 0.001..60 seconds, got {poll_interval!r}")
         self.poll_interval = float(poll_interval)
@@ -148,12 +198,17 @@ class SharedModel:
                               "started with a name, e.g. `simpledbi serve --name <name>`), set "
                               f"${naming.ENV_RUNTIME}, or create SharedModel inside a worker started "
                               "by simpledbi.Run")
+        self._args = (max_shape, dtype)
         if runtime is not None:
             self.runtime = naming.check_name(runtime)
             self._h = self._connect(time.monotonic() + self.connect_timeout)
         else:
             self._h = _Handles.open(namespace, name)
-            self._check_fits(self._h)
+        try:
+            self._set_inputs(self._h)
+        except BaseException:
+            self._h.release()
+            raise
         self.namespace = self._h.namespace
         self._attach_lock = threading.Lock()
         # The last request of the calling thread -- or asyncio task: every thread and every task
@@ -170,16 +225,26 @@ class SharedModel:
             self.close()
             raise
 
+    def _set_inputs(self, h: "_Handles") -> None:
+        """max_shapes, dtypes and input names of this client, from its arguments and what the
+        model of ``h`` declares (_client_inputs)."""
+        max_shape, dtype = self._args
+        max_batch = int(h.ctl.hdr["max_batch"])
+        declared = _declared_inputs(h.ctl)
+        self.max_shapes, self.dtypes = _client_inputs(self.name, declared, max_shape, dtype, max_batch)
+        self.input_names = declared[0]
+        self._name_index = {n: j for j, n in enumerate(self.input_names)}
+        self.max_rows = self.max_shapes[0][0]
+        if any(s[0] != self.max_rows for s in self.max_shapes):
+            raise ValueError(f"max_shape: every input needs the same row count, got "
+                             f"{[s[0] for s in self.max_shapes]}")
+        if self.max_rows > max_batch:
+            raise ValueError(f"max_shape has {self.max_rows} rows but model {self.name!r} has "
+                             f"max_batch_size={max_batch}: a request must fit in one batch")
+
     @property
     def ctl(self) -> ControlBlock:
         return self._h.ctl
-
-    def _check_fits(self, h: "_Handles") -> None:
-        max_batch = int(h.ctl.hdr["max_batch"])
-        if self.max_rows > max_batch:
-            h.release()
-            raise ValueError(f"max_shape has {self.max_rows} rows but model {self.name!r} has "
-                             f"max_batch_size={max_batch}: a request must fit in one batch")
 
     def _connect(self, deadline: float, avoid: Optional[str] = None) -> "_Handles":
         """Attach to the runtime named ``self.runtime`` (not to namespace ``avoid``: the one
@@ -196,7 +261,6 @@ class SharedModel:
                 except (LookupError, RuntimeError, OSError):
                     h = None  # still creating its files, or gone again: look once more
                 if h is not None:
-                    self._check_fits(h)
                     return h
             left = deadline - time.monotonic()
             if left <= 0:
@@ -217,6 +281,11 @@ class SharedModel:
                 return self._h
             limit = time.monotonic() + self.connect_timeout
             new = self._connect(limit if deadline is None else min(limit, deadline), avoid=old.namespace)
+            try:
+                self._set_inputs(new)   # what the successor's model declares
+            except BaseException:
+                new.release()
+                raise
             self._finalizer.detach()
             self._h = new
             self.namespace = new.namespace
@@ -227,13 +296,17 @@ class SharedModel:
         return new
 
     # ------------------------------------------------------------ public API
-    def forward(self, *inputs, timeout: Optional[float] = None):
-        """Run the model on ``inputs`` (numpy arrays or CPU torch tensors), batched with others.
+    def forward(self, *inputs, timeout: Optional[float] = None, **named):
+        """Run the model on ``inputs`` (numpy arrays or CPU torch tensors), batched with others:
+        positional, by keyword (``input_ids=x``: the model's declared input names), or as one
+        dict of them. Requests with other keywords are never batched together.
 
-        Returns numpy arrays for numpy inputs and torch tensors for torch inputs; a tuple when the
-        model returns a tuple. Raises ``TimeoutError`` when ``timeout`` seconds pass first.
+        Returns numpy arrays for numpy inputs and torch tensors for torch inputs, in the
+        structure the model returns: a tensor, a tuple, a dict (same keys, in order) or a
+        namedtuple (same type name and fields). Raises ``TimeoutError`` when ``timeout``
+        seconds pass first.
         """
-        arrays, as_torch = self._validate(inputs)
+        arrays, as_torch, names, positions = self._validate(inputs, named)
         if timeout is not None and not (isinstance(timeout, (int, float)) and timeout >= 0):
             raise ValueError(f"timeout: expected None or seconds >= 0, got {timeout!r}")
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -242,13 +315,13 @@ class SharedModel:
             h = self._reattach(h, deadline)
         slot = h.borrow(self)
         try:
-            outs, structure = self._call(slot, arrays, deadline)
+            outs, structure, out_names = self._call(slot, arrays, deadline, names, positions)
         finally:
             h.give_back(slot)
         if as_torch:
             torch = sys.modules["torch"]
             outs = [torch.from_numpy(o) for o in outs]
-        return tuple(outs) if structure == OUT_TUPLE else outs[0]
+        return _restructure(outs, structure, out_names)
 
     __call__ = forward
 
@@ -311,10 +384,11 @@ class SharedModel:
         return f"SharedModel({self.name!r}, max_shape={self.max_shapes}, namespace={self.namespace!r})"
 
     # ------------------------------------------------------------ one call
-    def _call(self, slot: ClientSlot, arrays: List[np.ndarray], deadline: Optional[float]):
+    def _call(self, slot: ClientSlot, arrays: List[np.ndarray], deadline: Optional[float],
+              names: int = 0, positions: Optional[Tuple[int, ...]] = None):
         if slot.ctl.state >= STOPPING:
             self._raise_runtime_state(slot.ctl)
-        seq = slot.publish(arrays)
+        seq = slot.publish(arrays, names, positions)
         try:
             return self._await(slot, seq, deadline)
         except BaseException:
@@ -344,11 +418,12 @@ class SharedModel:
         if status != ST_OK:
             self._raise_status(status, text)
         outs = slot.outputs()
+        out_names = slot.output_names() if structure >= OUT_DICT else b""
         self._last.set((slot, seq))
         box = _CAPTURE_TIMING.get()
         if box is not None:
             box.append(slot.timing())
-        return outs, structure
+        return outs, structure, out_names
 
     def _on_timeout(self, slot: ClientSlot, seq: int):
         if slot.withdraw():
@@ -416,42 +491,92 @@ class SharedModel:
             raise RuntimeStopped(f"model {self.name!r}: {text or 'runtime stopped'}")
         raise ModelProcessDied(f"model {self.name!r}: unknown response status {status}: {text}")
 
-    def _validate(self, inputs) -> Tuple[List[np.ndarray], bool]:
-        if len(inputs) != len(self.max_shapes):
+    def _validate(self, inputs, named=None):
+        """(arrays, as_torch, names mask, positions): the inputs checked against this client's
+        max_shapes and dtypes; ``positions`` (which of them the call passes) and the mask of
+        their declared names for keyword calls, (0, None) for positional ones."""
+        names, positions = 0, None
+        if named or (len(inputs) == 1 and isinstance(inputs[0], dict)):
+            inputs, positions = self._bind(inputs, named)
+            names = sum(1 << j for j in positions)
+        elif len(inputs) != len(self.max_shapes):
             raise TypeError(f"model {self.name!r}: expected {len(self.max_shapes)} input(s) "
                             f"(one per max_shape), got {len(inputs)}")
         arrays, as_torch, rows = [], False, None
-        for k, (x, max_s, dt) in enumerate(zip(inputs, self.max_shapes, self.dtypes)):
+        for k, x in enumerate(inputs):
+            p = k if positions is None else positions[k]
+            max_s, dt = self.max_shapes[p], self.dtypes[p]
             if _is_torch(x):
                 if x.device.type != "cpu":
-                    raise TypeError(f"input {k}: expected a CPU tensor, got one on {x.device}")
+                    raise TypeError(f"input {self._label(p)}: expected a CPU tensor, got one on {x.device}")
                 as_torch = True
                 try:
                     x = x.detach().numpy()
                 except TypeError as e:
-                    raise TypeError(f"input {k}: dtype {inputs[k].dtype} has no numpy equivalent, "
-                                    f"expected {dt}") from e
+                    raise TypeError(f"input {self._label(p)}: dtype {inputs[k].dtype} has no numpy "
+                                    f"equivalent, expected {dt}") from e
             elif not isinstance(x, np.ndarray):
-                raise TypeError(f"input {k}: expected a numpy array or a torch tensor, got "
+                raise TypeError(f"input {self._label(p)}: expected a numpy array or a torch tensor, got "
                                 f"{type(x).__name__}")
             if x.dtype != dt:
-                raise TypeError(f"input {k}: expected dtype {dt}, got {x.dtype}")
+                raise TypeError(f"input {self._label(p)}: expected {dt}, got {x.dtype}")
             if x.ndim != len(max_s):
-                raise ValueError(f"input {k}: expected {len(max_s)} dimensions (rows first, at most "
-                                 f"{max_s}), got shape {x.shape}")
+                raise ValueError(f"input {self._label(p)}: expected {len(max_s)} dimensions (rows first, "
+                                 f"at most {max_s}), got shape {x.shape}")
             if x.shape[0] < 1 or x.shape[0] > max_s[0]:
-                raise ValueError(f"input {k}: expected 1..{max_s[0]} rows, got {x.shape[0]} "
+                raise ValueError(f"input {self._label(p)}: expected 1..{max_s[0]} rows, got {x.shape[0]} "
                                  f"(shape {x.shape}, max_shape {max_s})")
             for d, (got, most) in enumerate(zip(x.shape[1:], max_s[1:]), start=1):
                 if got > most or got < 1:
-                    raise ValueError(f"input {k}: dimension {d} is {got}, expected 1..{most} "
+                    raise ValueError(f"input {self._label(p)}: dimension {d} is {got}, expected 1..{most} "
                                      f"(shape {x.shape}, max_shape {max_s})")
             if rows is not None and x.shape[0] != rows:
-                raise ValueError(f"input {k}: expected {rows} rows like input 0, got {x.shape[0]}")
+                raise ValueError(f"input {self._label(p)}: expected {rows} rows like the first input, "
+                                 f"got {x.shape[0]}")
             rows = x.shape[0]
             arrays.append(x)
-        return arrays, as_torch
+        return arrays, as_torch, names, positions
 
+    def _label(self, k: int) -> str:
+        return _label(self.input_names, k)
+
+    def _bind(self, inputs, named) -> Tuple[list, Tuple[int, ...]]:
+        """Inputs given by name (keywords, or one dict; positional ones first take the first
+        declared names, as in Python) -> (inputs in declared order, their declared indices)."""
+        if not named:
+            named, inputs = inputs[0], ()
+            if not all(isinstance(key, str) for key in named):
+                raise TypeError(f"model {self.name!r}: expected a dict of input names (str) to "
+                                f"arrays, got keys {list(named)!r}")
+        if not self._name_index and int(self._h.ctl.hdr["spec_len"]):
+            self.input_names = _declared_inputs(self._h.ctl)[0]  # attached before they were published
+            self._name_index = {n: j for j, n in enumerate(self.input_names)}
+        index, accepted = self._name_index, ", ".join(self.input_names)
+        if not index:
+            raise TypeError(f"model {self.name!r} takes no inputs by name (its forward declares no "
+                            f"parameter names; declare input_names in its ModelConfig): pass them "
+                            f"positionally, got {', '.join(map(repr, named))}")
+        if len(inputs) > len(self.input_names):
+            raise TypeError(f"model {self.name!r}: expected at most {len(self.input_names)} positional "
+                            f"input(s) before the keywords ({accepted}), got {len(inputs)}")
+        chosen = dict(enumerate(inputs))
+        for key, x in named.items():
+            j = index.get(key)
+            if j is None:
+                raise TypeError(f"model {self.name!r} got an unexpected keyword input {key!r}; it "
+                                f"accepts {accepted}")
+            if j in chosen:
+                raise TypeError(f"model {self.name!r} got multiple values for input {key!r}")
+            chosen[j] = x
+        if not chosen:
+            raise TypeError(f"model {self.name!r}: expected at least one input, got none")
+        positions = tuple(sorted(chosen))
+        if positions[-1] >= len(self.max_shapes):
+            j = positions[-1]
+            raise TypeError(f"input {self._label(j)}: this client's max_shape covers only the first "
+                            f"{len(self.max_shapes)} input(s) ({', '.join(self.input_names[:len(self.max_shapes)])}); "
+                            f"expected max_shape with a shape for each input up to {self.input_names[j]!r}")
+        return [chosen[j] for j in positions], positions
 
 
 

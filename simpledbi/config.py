@@ -17,6 +17,7 @@ _PRECISIONS = ("float32", "float16", "bfloat16")
 _GATHER_MODES = ("auto", "host", "device")
 _MPS_MODES = ("auto", "on", "off")
 _AUTO_GRAPH_MAX_ROWS = 8
+_MAX_NAMES = 48  # layout.MAX_NAMES (config.py imports nothing of the package)
 
 
 def _check_type(name: str, value: Any, types, expected: str) -> None:
@@ -66,11 +67,16 @@ class ModelConfig:
     batching: str = "adaptive"
     device: Union[str, Sequence[str]] = "auto"
     #: Item shapes (without the batch dimension) used to warm the model up at load time (and to
-    #: capture CUDA graphs). One tuple per input; requests with another input count are rejected.
+    #: capture CUDA graphs). One tuple per input; positional requests with another input count
+    #: are rejected. Published to clients: ``SharedModel(name)`` then needs no ``max_shape``.
     input_shapes: Optional[Sequence[Sequence[int]]] = None
     #: numpy dtype names of the inputs for the warm-up; float32 when omitted. When given, requests
-    #: of other dtypes are rejected with "expected <dtype>".
+    #: of other dtypes are rejected with "expected <dtype>", by clients before they send.
     input_dtypes: Optional[Sequence[str]] = None
+    #: The names clients may pass inputs by (``forward(input_ids=x)``); the model is then called
+    #: with those keywords. Default: the parameters of the model's ``forward`` (its signature, or
+    #: its TorchScript schema), at most 48. When given with ``input_shapes``, one name per shape.
+    input_names: Optional[Sequence[str]] = None
     #: Cast parameters and floating inputs to this precision on the device.
     precision: str = "float32"
     #: torch intra-op threads per model process (CPU); None: cores / model_num.
@@ -143,6 +149,18 @@ class ModelConfig:
                 raise ValueError("input_dtypes: expected one dtype per entry of input_shapes, got "
                                  f"{self.input_dtypes!r}")
             object.__setattr__(self, "input_dtypes", dtypes)
+        if self.input_names is not None:
+            if isinstance(self.input_names, str) or not isinstance(self.input_names, (list, tuple)):
+                raise TypeError(f"input_names: expected a list of str, got {self.input_names!r}")
+            names = tuple(self.input_names)
+            if not 1 <= len(names) <= _MAX_NAMES or len(set(names)) != len(names) or not all(
+                    isinstance(n, str) and n.isidentifier() for n in names):
+                raise ValueError(f"input_names: expected 1..{_MAX_NAMES} unique identifiers, got "
+                                 f"{self.input_names!r}")
+            if self.input_shapes is not None and len(self.input_shapes) != len(names):
+                raise ValueError(f"input_names: expected one name per entry of input_shapes "
+                                 f"({len(self.input_shapes)}), got {len(names)}")
+            object.__setattr__(self, "input_names", names)
         if self.precision not in _PRECISIONS:
             raise ValueError(f"precision: expected one of {_PRECISIONS}, got {self.precision!r}")
         if self.num_threads is not None:

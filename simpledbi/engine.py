@@ -16,16 +16,18 @@ Timing of each stage is measured with CUDA events on the device (no extra synchr
 """
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
 from .config import ModelConfig
+from .layout import MAX_IO, MAX_NAMES, OUT_DICT, OUT_NAMEDTUPLE, OUT_TENSOR, OUT_TUPLE, encode_names
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +39,7 @@ GRAPH_AFTER_BATCHES = 3
 
 
 def _describe(sig) -> str:
-    return ", ".join(f"{tuple(item)} {np.dtype(d)}" for item, d in sig)
+    return ", ".join(f"{name + ' ' if name else ''}{tuple(item)} {np.dtype(d)}" for item, d, name in sig)
 
 
 class BadModelOutput(Exception):
@@ -55,6 +57,7 @@ class Gather:
     dtypes: Tuple[np.dtype, ...]
     sources: List[List[Tuple[int, int, int, int]]]
     short: set = field(default_factory=set)
+    names: Optional[Tuple[str, ...]] = None   # keyword inputs: the model is called with these names
 
 
 def _read_into(buf: np.ndarray, sources, short: set) -> None:
@@ -93,6 +96,32 @@ def resolve_device(device: str, ordinal: int = 0) -> torch.device:
     return dev
 
 
+def input_names(cfg: ModelConfig, model) -> Tuple[str, ...]:
+    """The names clients may pass inputs by: ``cfg.input_names``, else the parameters of the
+    model's forward (Python signature or TorchScript schema; none if it has positional-only
+    ones), at most MAX_NAMES."""
+    if cfg.input_names is not None:
+        return tuple(cfg.input_names)
+    fn = model.forward if isinstance(model, torch.nn.Module) else model
+    schema = getattr(fn, "schema", None)   # TorchScript methods and functions
+    if schema is not None:
+        names = [a.name for a in schema.arguments]
+        names = names[1:] if names and names[0] == "self" else names
+    else:
+        try:
+            params = inspect.signature(fn).parameters.values()
+        except (TypeError, ValueError):  # builtins, some C extensions
+            return ()
+        if any(p.kind is p.POSITIONAL_ONLY for p in params):
+            return ()
+        names = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    names = [n for n in names if n.isidentifier()]
+    if len(names) > MAX_NAMES:
+        logger.warning("%s: forward takes %d parameters; only the first %d can be passed by name",
+                       cfg.name, len(names), MAX_NAMES)
+    return tuple(names[:MAX_NAMES])
+
+
 def load_model(cfg: ModelConfig, device: torch.device):
     """Build the model from ``cfg.factory`` or load ``cfg.path`` (TorchScript or torch.export)."""
     if cfg.factory is not None:
@@ -123,10 +152,18 @@ class BatchTimes:
     d2h: float = 0.0
 
 
+class Structure(NamedTuple):
+    """How a model's outputs are put back together: layout.OUT_* and, for a dict or namedtuple,
+    its keys as the response carries them (layout.encode_names)."""
+
+    code: int
+    names: bytes = b""
+
+
 @dataclass
 class BatchResult:
     outputs: List[np.ndarray]     # one array per output, batch rows first
-    is_tuple: bool
+    structure: Structure
     times: BatchTimes = field(default_factory=BatchTimes)
 
 
@@ -142,6 +179,7 @@ class Engine:
         if self.cuda:
             torch.cuda.set_device(self.device)
         self.model = load_model(cfg, self.device)
+        self.input_names = input_names(cfg, self.model)
         self.cast = _PRECISION[cfg.precision] if cfg.precision != "float32" else None
         self.gather_mode = cfg.gather if cfg.gather != "auto" else ("device" if self.cuda else "host")
         self._registered = {}                        # address -> size (cudaHostRegister)
@@ -242,9 +280,12 @@ class Engine:
             if self.cast is not None and x.is_floating_point():
                 x = x.to(self.cast)
             xs.append(x)
-        outs, is_tuple = _as_list(self.model(*xs))
+        outs, structure = _as_list(self._forward(xs, g.names))
         arrays = [_to_numpy(o) for o in outs]
-        return BatchResult(arrays, is_tuple)
+        return BatchResult(arrays, structure)
+
+    def _forward(self, xs: List[torch.Tensor], names: Optional[Tuple[str, ...]]):
+        return self.model(*xs) if names is None else self.model(**dict(zip(names, xs)))
 
     def finish(self, launched: "Launched") -> BatchResult:
         """Wait for a launched batch and return its outputs (views of pinned memory, valid until
@@ -258,7 +299,7 @@ class Engine:
                            h2d=ev["start"].elapsed_time(ev["copied"]) / 1e3,
                            forward=ev["fwd_start"].elapsed_time(ev["fwd_end"]) / 1e3,
                            d2h=ev["fwd_end"].elapsed_time(ev["done"]) / 1e3)
-        return BatchResult(arrays, launched.is_tuple, times)
+        return BatchResult(arrays, launched.structure, times)
 
     def _run_cpu(self, g: Gather) -> BatchResult:
         times = BatchTimes()
@@ -274,13 +315,13 @@ class Engine:
             xs = [x.to(self.cast) if x.is_floating_point() else x for x in xs]
         t1 = time.perf_counter()
         times.gather = t1 - t0
-        out = self.model(*xs)  # the model process runs under torch.inference_mode()
-        outs, is_tuple = _as_list(out)
+        out = self._forward(xs, g.names)  # the model process runs under torch.inference_mode()
+        outs, structure = _as_list(out)
         t2 = time.perf_counter()
         times.forward = t2 - t1
         arrays = [_to_numpy(o) for o in outs]
         times.d2h = time.perf_counter() - t2
-        return BatchResult(arrays, is_tuple, times)
+        return BatchResult(arrays, structure, times)
 
     def stage(self, g: Gather) -> "Launched":
         """First half of :meth:`launch`: claim a buffer set and enqueue the host->device copies
@@ -310,7 +351,8 @@ class Engine:
                     bs.host_copied = True
                 staged.append((dev[:nbytes], dt, item))
             ev["copied"].record()
-        return Launched(events=ev, buffers=bs, staged=staged, rows=rows, gather=time.perf_counter() - t0)
+        return Launched(events=ev, buffers=bs, staged=staged, rows=rows, gather=time.perf_counter() - t0,
+                        names=g.names)
 
     def start(self, launched: "Launched") -> "Launched":
         """Second half of :meth:`launch`: enqueue the forward pass and the device->host copies."""
@@ -322,7 +364,9 @@ class Engine:
         ev, bs, rows = launched.events, launched.buffers, launched.rows
         graph = None
         if self._graph_sizes and rows <= self._graph_sizes[-1]:
-            sig = tuple((tuple(item), np.dtype(dtype)) for _, dtype, item in launched.staged)
+            names = launched.names or (None,) * len(launched.staged)
+            sig = tuple((tuple(item), np.dtype(dtype), name)
+                        for (_, dtype, item), name in zip(launched.staged, names))
             graphs = self._graphs.get(sig)
             bucket = min(n for n in self._graph_sizes if n >= rows)
             if graphs:
@@ -338,7 +382,7 @@ class Engine:
                 for k, (dev, _, _) in enumerate(launched.staged):
                     graph.inputs_u8[k][:dev.numel()].copy_(dev)
                 graph.graph.replay()
-                outs, is_tuple = [o[:rows] for o in graph.outputs], graph.is_tuple
+                outs, structure = [o[:rows] for o in graph.outputs], graph.structure
             else:
                 xs = []
                 for dev, dtype, item in launched.staged:
@@ -346,7 +390,7 @@ class Engine:
                     if self.cast is not None and x.is_floating_point():
                         x = x.to(self.cast)
                     xs.append(x)
-                outs, is_tuple = _as_list(self.model(*xs))  # under torch.inference_mode()
+                outs, structure = _as_list(self._forward(xs, launched.names))  # under inference_mode
             ev["fwd_end"].record()
             hosts = []
             for j, o in enumerate(outs):
@@ -361,7 +405,7 @@ class Engine:
                 pinned.view(o.dtype).view(o.shape).copy_(o, non_blocking=True)
                 hosts.append((pinned, o.dtype, tuple(o.shape)))
             ev["done"].record()
-        launched.hosts, launched.is_tuple, launched.staged = hosts, is_tuple, None
+        launched.hosts, launched.structure, launched.staged = hosts, structure, None
         launched.launch_cpu = time.perf_counter() - t0
         launched.started = True
         return launched
@@ -425,11 +469,12 @@ class Engine:
         logger.info("%s: CUDA graph captured for item shapes %s, %d rows, in %.0f ms", self.cfg.name,
                     _describe(sig), n, (time.perf_counter() - t0) * 1e3)
 
-    def capture_graphs(self, shapes, dtypes, sizes) -> None:
+    def capture_graphs(self, shapes, dtypes, sizes, names=None) -> None:
         """Capture graphs for one item signature at once (at load time, from ``input_shapes``)."""
         if not self.cuda:
             return
-        sig = tuple((tuple(s), np.dtype(d)) for s, d in zip(shapes, dtypes))
+        sig = tuple((tuple(s), np.dtype(d), name)
+                    for s, d, name in zip(shapes, dtypes, names or (None,) * len(shapes)))
         try:
             for n in sorted(sizes, reverse=True):
                 self._capture(sig, n)
@@ -443,12 +488,13 @@ class Engine:
             self._graph_pool = torch.cuda.graph_pool_handle()  # one pool: graphs replay in turn
         with torch.inference_mode():
             inputs = [torch.zeros((n, *item), dtype=_torch_dtype(d), device=self.device)
-                      for item, d in sig]
+                      for item, d, _ in sig]
+            names = None if sig[0][2] is None else tuple(name for _, _, name in sig)
 
             def step():
                 xs = [x.to(self.cast) if self.cast is not None and x.is_floating_point() else x
                       for x in inputs]
-                return self.model(*xs)
+                return self._forward(xs, names)
 
             side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
@@ -458,18 +504,20 @@ class Engine:
             torch.cuda.current_stream(self.device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._graph_pool):
-                outs, is_tuple = _as_list(step())
+                outs, structure = _as_list(step())
         torch.cuda.synchronize(self.device)
         self._graphs.setdefault(sig, {})[n] = _Graph(
-            graph, [x.reshape(-1).view(torch.uint8) for x in inputs], inputs, outs, is_tuple)
+            graph, [x.reshape(-1).view(torch.uint8) for x in inputs], inputs, outs, structure)
 
-    def warm_up(self, shapes: Sequence[Tuple[int, ...]], dtypes: Sequence[str], batch_sizes: Sequence[int]):
+    def warm_up(self, shapes: Sequence[Tuple[int, ...]], dtypes: Sequence[str], batch_sizes: Sequence[int],
+                names: Optional[Tuple[str, ...]] = None):
         """Run the model on zero batches so lazy initialisation (cuDNN plans, allocator pools,
-        TorchScript profiling runs) is paid before the first request; returns the last result."""
+        TorchScript profiling runs) is paid before the first request; returns the last result.
+        With ``names``, the inputs are passed by those names."""
         with torch.inference_mode():
-            return self._warm_up(shapes, dtypes, batch_sizes)
+            return self._warm_up(shapes, dtypes, batch_sizes, names)
 
-    def _warm_up(self, shapes, dtypes, batch_sizes):
+    def _warm_up(self, shapes, dtypes, batch_sizes, names):
         result = None
         for n in batch_sizes:
             for _ in range(3 if self.cuda else 1):
@@ -477,8 +525,8 @@ class Engine:
                 for s, d in zip(shapes, dtypes):
                     x = torch.zeros((n, *s), dtype=_torch_dtype(d), device=self.device)
                     xs.append(x.to(self.cast) if self.cast is not None and x.is_floating_point() else x)
-                outs, is_tuple = _as_list(self.model(*xs))
-                result = BatchResult([_to_numpy(o) for o in outs], is_tuple)
+                outs, structure = _as_list(self._forward(xs, names))
+                result = BatchResult([_to_numpy(o) for o in outs], structure)
         return result
 
 
@@ -506,7 +554,8 @@ class Launched:
     staged: Optional[list] = None      # CUDA: (device bytes, dtype, item shape) per input
     rows: int = 0
     hosts: list = field(default_factory=list)
-    is_tuple: bool = False
+    structure: Structure = Structure(OUT_TENSOR)
+    names: Optional[Tuple[str, ...]] = None   # keyword inputs
     gather: float = 0.0
     launch_cpu: float = 0.0            # host time spent enqueuing the forward pass
     started: bool = False
@@ -521,7 +570,7 @@ class _Graph:
     inputs_u8: List[torch.Tensor]   # flat byte views of the static inputs (DMA targets)
     inputs: List[torch.Tensor]
     outputs: List[torch.Tensor]
-    is_tuple: bool
+    structure: Structure
 
 
 def _find_memcpy():
@@ -544,17 +593,47 @@ def _find_memcpy():
     return None
 
 
-def _as_list(out: Any) -> Tuple[List[torch.Tensor], bool]:
+_TENSOR, _TUPLE = Structure(OUT_TENSOR), Structure(OUT_TUPLE)
+_STRUCTURES: Dict[tuple, Structure] = {}   # (code, type name, keys) -> Structure
+_EXPECTED = (f"expected a tensor, or a tuple/list/dict/namedtuple of at most {MAX_IO} tensors "
+             f"(not nested)")
+
+
+def _as_list(out: Any) -> Tuple[List[torch.Tensor], Structure]:
+    """The model's output as a flat list of tensors and the structure to rebuild it from. A
+    dict (HuggingFace ``ModelOutput`` included) drops its None values."""
     if isinstance(out, torch.Tensor):
-        return [out], False
-    if isinstance(out, (tuple, list)) and out and all(isinstance(o, torch.Tensor) for o in out):
-        return list(out), True
-    if isinstance(out, (tuple, list)):
-        kinds = sorted({type(o).__name__ for o in out}) or ["nothing"]
-        raise BadModelOutput(f"expected the model to return a tensor or a tuple/list of tensors, "
-                             f"got a {type(out).__name__} of {', '.join(kinds)}")
-    raise BadModelOutput(f"expected the model to return a tensor or a tuple/list of tensors, got "
-                         f"{type(out).__name__}")
+        return [out], _TENSOR
+    if isinstance(out, dict):
+        items = [(k, v) for k, v in out.items() if v is not None]
+        code, type_name, leaves = OUT_DICT, "", [v for _, v in items]
+        keys = tuple(k for k, _ in items)
+        if not all(isinstance(k, str) for k in keys):
+            raise BadModelOutput(f"{_EXPECTED}; got a {type(out).__name__} with keys of type "
+                                 f"{', '.join(sorted({type(k).__name__ for k in keys}))} (expected str)")
+    elif isinstance(out, tuple) and hasattr(type(out), "_fields"):
+        code, type_name, leaves, keys = OUT_NAMEDTUPLE, type(out).__name__, list(out), tuple(out._fields)
+    elif isinstance(out, (tuple, list)):
+        code, leaves = OUT_TUPLE, list(out)
+    else:
+        raise BadModelOutput(f"{_EXPECTED}; got {type(out).__name__}")
+    if not leaves or not all(isinstance(o, torch.Tensor) for o in leaves):
+        kinds = sorted({type(o).__name__ for o in leaves}) or ["nothing"]
+        raise BadModelOutput(f"{_EXPECTED}; got a {type(out).__name__} of {', '.join(kinds)}")
+    if len(leaves) > MAX_IO:
+        raise BadModelOutput(f"{_EXPECTED}; got a {type(out).__name__} of {len(leaves)} tensors")
+    if code == OUT_TUPLE:
+        return leaves, _TUPLE
+    structure = _STRUCTURES.get((code, type_name, keys))
+    if structure is None:
+        try:
+            names = encode_names(type_name, keys)
+        except ValueError as e:
+            raise BadModelOutput(f"{type(out).__name__} output: {e}") from None
+        if len(_STRUCTURES) > 256:
+            _STRUCTURES.clear()
+        structure = _STRUCTURES[(code, type_name, keys)] = Structure(code, names)
+    return leaves, structure
 
 
 def _to_numpy(o: torch.Tensor) -> np.ndarray:

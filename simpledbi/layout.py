@@ -5,7 +5,8 @@ namespace's directory. Who may write what is part of each layout's definition:
 file               contents                                     writers
 =================  ==========================================  ===========================
 ``<m>.ctl``        HEADER, INSTANCE rows, CLAIM rows (one per     runtime + model processes;
-                   slot), COUNTERS, the batch ring, a message     clients map it read-only
+                   slot), COUNTERS, the batch ring, a message,    clients map it read-only
+                   the model's declared inputs (SPEC, JSON)
 ``<m>.table``      SLOT rows: one per slot, *hints* for the       each client its own row (the
                    model processes' scan                          reaper once it is dead)
 ``<m>.s<i>.lock``  empty; a POSIX lock on it = slot i is taken    its client
@@ -18,16 +19,18 @@ Everything a client can write is input to a model process and is validated there
 """
 from __future__ import annotations
 
+import json
 import zlib
-from typing import List, Sequence
+from typing import List, Sequence, Tuple
 
 import numpy as np
 
 from .shm import Segment, ns_path
 
 MAGIC = 0x31494244535F  # "_SDBI1"
-VERSION = 3
+VERSION = 4
 MAX_IO = 8          # inputs and outputs per request
+MAX_NAMES = 48      # input names a model declares: bits 0..47 of a request's ``flags``
 MAX_NDIM = 8        # dimensions of one item (an input or output row)
 MAX_DIM = 2**31     # largest single dimension accepted from a client
 
@@ -55,10 +58,11 @@ def align(n: int, a: int = 4096) -> int:
     return (n + a - 1) // a * a
 
 
-def shape_key(dtype_codes: Sequence[int], item_shapes: Sequence[Sequence[int]]) -> int:
-    """Requests with equal keys have equal item shapes and dtypes (the model process recomputes
-    the key from the validated request header; a client's key hint only orders the scan)."""
-    words: List[int] = [len(item_shapes)]
+def shape_key(dtype_codes: Sequence[int], item_shapes: Sequence[Sequence[int]], names: int = 0) -> int:
+    """Requests with equal keys have equal item shapes, dtypes and input names (``names``: the
+    request's ``flags`` mask, 0 for positional inputs). The model process recomputes the key from
+    the validated request header; a client's key hint only orders the scan."""
+    words: List[int] = [len(item_shapes), names]
     for c, s in zip(dtype_codes, item_shapes):
         words += [c, len(s), *s]
     return zlib.crc32(np.asarray(words, np.int64).tobytes()) + 1
@@ -79,7 +83,8 @@ INST_STATE_NAMES = {INST_LOADING: "loading", INST_READY: "ready", INST_DEAD: "de
 HEADER = np.dtype([
     ("magic", "<u8"), ("version", "<i8"), ("state", "<i8"), ("max_slots", "<i8"),
     ("model_num", "<i8"), ("max_batch", "<i8"), ("wait_time", "<f8"), ("supervisor_pid", "<i8"),
-    ("broken_code", "<i8"), ("msg_len", "<i8"), ("bank", "<i8"), ("reserved", "<i8", (5,)),
+    ("broken_code", "<i8"), ("msg_len", "<i8"), ("bank", "<i8"), ("spec_len", "<i8"),
+    ("reserved", "<i8", (4,)),
 ])
 # Instance rows come in two banks of model_num: a rolling reload starts the new processes in the
 # other bank (while the current ones serve), then switches ``bank`` and retires the old ones.
@@ -110,6 +115,7 @@ LAT_BOUNDS = tuple(round(1e-4 * 2 ** (k / 2), 7) for k in range(0, 40))   # 100 
 H_LATENCY, H_QUEUE, H_COMPUTE = 0, 1, 2
 H_SUM = len(LAT_BOUNDS) + 1
 BATCH_HIST_MAX = 128
+SPEC_BYTES = 16384
 
 
 def _parts(max_slots: int, rows: int):
@@ -124,13 +130,15 @@ def _parts(max_slots: int, rows: int):
         "hist": part(np.int64, (rows, 3, H_SUM + 1)),
         "batch_hist": part(np.int64, (rows, BATCH_HIST_MAX + 1)),
         "msg": part(np.uint8, (MSG_BYTES,)),
+        "spec": part(np.uint8, (SPEC_BYTES,)),
     }
 
 
 class ControlBlock:
     """Views into one model's control file. Clients attach it read-only."""
 
-    PARTS = ("header", "all_instances", "claims", "counters", "ring", "hist", "batch_hist", "msg")
+    PARTS = ("header", "all_instances", "claims", "counters", "ring", "hist", "batch_hist", "msg",
+             "spec")
 
     def __init__(self, seg: Segment, max_slots: int, model_num: int):
         self.seg = seg
@@ -216,6 +224,25 @@ class ControlBlock:
             self.hdr["broken_code"] = code
         self.hdr["state"] = state
 
+    def write_spec(self, names: Sequence[str], shapes, dtypes) -> None:
+        """Publish the model's declared inputs (the runtime, once, before the model is RUNNING):
+        input names, item shapes and dtypes (``None`` where not declared). Clients trust it."""
+        data = json.dumps({"names": list(names), "shapes": shapes and [list(s) for s in shapes],
+                           "dtypes": dtypes and list(dtypes)}).encode()
+        if len(data) > SPEC_BYTES:
+            raise ValueError(f"the declared inputs take {len(data)} bytes; at most {SPEC_BYTES} fit")
+        self.spec[:len(data)] = np.frombuffer(data, np.uint8)
+        self.hdr["spec_len"] = len(data)  # last: readers see all of it or nothing
+
+    def declared(self) -> Tuple[Tuple[str, ...], Tuple[Tuple[int, ...], ...], Tuple[str, ...]]:
+        """(input names, item shapes, dtypes) the runtime published; empty where none are."""
+        n = int(self.hdr["spec_len"])
+        if not 0 < n <= SPEC_BYTES:
+            return (), (), ()
+        d = json.loads(bytes(self.spec[:n]))
+        return (tuple(d["names"]), tuple(tuple(s) for s in d["shapes"] or ()),
+                tuple(d["dtypes"] or ()))
+
     def close(self) -> None:
         for k in self.PARTS + ("hdr",):
             setattr(self, k, None)
@@ -264,21 +291,25 @@ class SlotTable:
 
 # ---------------------------------------------------------------- slot segment (<m>.s<i>.<tok>)
 # Written by the client before publishing; read by a model process with one pread into private
-# memory, then validated field by field.
+# memory, then validated field by field. ``flags``: 0 for positional inputs; else a mask of the
+# model's declared input names (bit j: name j) -- the inputs are those names, in ascending j.
 REQUEST = np.dtype([
     ("magic", "<u8"), ("slot", "<i8"), ("token", "<u8"), ("seq", "<i8"), ("rows", "<i8"),
     ("n_in", "<i8"), ("flags", "<i8"), ("out_offset", "<i8"), ("t_publish", "<f8"),
     ("dtype", "<i8", (MAX_IO,)), ("ndim", "<i8", (MAX_IO,)), ("offset", "<i8", (MAX_IO,)),
     ("dims", "<i8", (MAX_IO, MAX_NDIM)),
 ])
-# Written by the model process with pwrite; RESP_SEQ is written after it, last of all.
+# Written by the model process with pwrite; RESP_SEQ is written after it, last of all. A dict or
+# namedtuple answer's keys follow the header, at NAMES_OFF (``names_len`` bytes, encode_names).
 RESPONSE = np.dtype([
-    ("status", "<i8"), ("n_out", "<i8"), ("structure", "<i8"), ("err_len", "<i8"),
+    ("status", "<i8"), ("n_out", "<i8"), ("structure", "<i8"), ("names_len", "<i8"), ("err_len", "<i8"),
     ("claimer", "<i8"), ("batch_rows", "<i8"), ("needed", "<i8"), ("t_close", "<f8"),
     ("t_done", "<f8"), ("dtype", "<i8", (MAX_IO,)), ("ndim", "<i8", (MAX_IO,)),
     ("offset", "<i8", (MAX_IO,)), ("dims", "<i8", (MAX_IO, MAX_NDIM + 1)),
 ])
-REQ_OFF, RESP_OFF, RESP_SEQ_OFF = 0, 1024, 2048
+REQ_OFF, RESP_OFF, RESP_SEQ_OFF = 0, 1024, 4088
+NAMES_OFF = RESP_OFF + RESPONSE.itemsize      # right after the header: one pwrite writes both
+NAMES_BYTES = RESP_SEQ_OFF - NAMES_OFF
 
 
 def _word_index(dtype: np.dtype) -> dict:
@@ -292,12 +323,26 @@ REQ_WORD = _word_index(REQUEST)
 RESP_WORD = _word_index(RESPONSE)
 ERR_OFF, ERR_BYTES = 4096, 8192
 DATA_OFFSET = ERR_OFF + ERR_BYTES
-assert REQUEST.itemsize <= RESP_OFF and RESP_OFF + RESPONSE.itemsize <= RESP_SEQ_OFF
+assert REQUEST.itemsize <= RESP_OFF and NAMES_BYTES >= 2048 and RESP_SEQ_OFF + 8 <= ERR_OFF
 
 # response status
 ST_OK, ST_MODEL_ERROR, ST_BAD_REQUEST, ST_STOPPED, ST_INTERNAL = 0, 1, 2, 3, 4
-# output structure
-OUT_TENSOR, OUT_TUPLE = 0, 1
+# output structure: a tensor, a tuple (or list), a dict (keys in the names), a namedtuple (type
+# name and fields in the names)
+OUT_TENSOR, OUT_TUPLE, OUT_DICT, OUT_NAMEDTUPLE = 0, 1, 2, 3
+
+
+def encode_names(type_name: str, keys: Sequence[str]) -> bytes:
+    """The NAMES text of a dict / namedtuple answer (written by model processes)."""
+    data = json.dumps([type_name, list(keys)]).encode()
+    if len(data) > NAMES_BYTES:
+        raise ValueError(f"the output names take {len(data)} bytes; at most {NAMES_BYTES} fit")
+    return data
+
+
+def decode_names(data: bytes) -> Tuple[str, Tuple[str, ...]]:
+    type_name, keys = json.loads(data)
+    return type_name, tuple(keys)
 
 
 # ---------------------------------------------------------------- names

@@ -34,8 +34,10 @@ import posix_ipc
 from . import batching
 from .config import ModelConfig, RuntimeOptions
 from .layout import (
-    B_FIELDS, BATCH_HIST_MAX, COUNTERS, INST_RETIRING, H_COMPUTE, H_LATENCY, H_QUEUE, H_SUM, LAT_BOUNDS, INST_DEAD, INST_READY, MAX_IO, MAX_NDIM, OUT_TENSOR, OUT_TUPLE, PUBLISHED, IDLE, RING,
-    ST_BAD_REQUEST, ST_INTERNAL, ST_MODEL_ERROR, ST_OK, ST_STOPPED, STOPPING, DRAINING, ControlBlock, SlotTable,
+    B_FIELDS, BATCH_HIST_MAX, COUNTERS, INST_RETIRING, H_COMPUTE, H_LATENCY, H_QUEUE, H_SUM,
+    LAT_BOUNDS, INST_DEAD, INST_READY, MAX_IO, MAX_NDIM, PUBLISHED, IDLE, RING,
+    ST_BAD_REQUEST, ST_INTERNAL, ST_MODEL_ERROR, ST_OK, ST_STOPPED, STOPPING, DRAINING, ControlBlock,
+    SlotTable,
     doorbell_name, dtype_code,
 )
 from .logs import install_child_handler
@@ -85,7 +87,8 @@ def model_process_main(spec: ModelProcessSpec, conn) -> None:
     # the garbage collector's full passes, which otherwise stall a batch for tens of ms.
     gc.collect()
     gc.freeze()
-    conn.send(("ready", {"pid": os.getpid(), "device": str(server.engine.device)}))
+    conn.send(("ready", {"pid": os.getpid(), "device": str(server.engine.device),
+                         "input_names": list(server.engine.input_names)}))
     conn.close()
     logger.debug("%s serving on %s", server.tag, server.engine.device)
     try:
@@ -146,7 +149,8 @@ class ModelServer:
         dtypes = None
         if cfg.input_shapes and cfg.input_dtypes:
             dtypes = tuple(np.dtype(d) for d in cfg.input_dtypes)
-        self.limits = Limits(self.max_batch, len(cfg.input_shapes) if cfg.input_shapes else None, dtypes)
+        self.limits = Limits(self.max_batch, len(cfg.input_shapes) if cfg.input_shapes else None, dtypes,
+                             names=self.engine.input_names)
         self.peers: Dict[int, Peer] = {}
         self.deferred: List[Request] = []      # claimed by me, not batched yet (other shape / no room)
         self._open: Dict[int, Request] = {}    # id -> every request claimed and not answered yet
@@ -179,11 +183,13 @@ class ModelServer:
         self._forward_ema = 0.0   # device seconds of a forward pass (EMA)
         if cfg.input_shapes:
             in_dtypes = cfg.input_dtypes or ("float32",) * len(cfg.input_shapes)
-            self.engine.warm_up(cfg.input_shapes, in_dtypes, sorted({self.max_batch, 1}, reverse=True))
+            # Declared names: clients will pass inputs by name, so warm up (and capture) that way.
+            self.engine.warm_up(cfg.input_shapes, in_dtypes, sorted({self.max_batch, 1}, reverse=True),
+                                cfg.input_names)
             sizes = cfg.graph_batch_sizes()
             if sizes and self.engine.cuda:
                 try:
-                    self.engine.capture_graphs(cfg.input_shapes, in_dtypes, sizes)
+                    self.engine.capture_graphs(cfg.input_shapes, in_dtypes, sizes, cfg.input_names)
                 except Exception:
                     if cfg.cuda_graphs != "auto":
                         raise
@@ -586,7 +592,7 @@ class ModelServer:
         sources = [[(r.peer.fd, r.offsets[k], r.nbytes[k],
                      r.mapped[1] if r.mapped and r.offsets[k] + r.nbytes[k] <= r.mapped[2] else 0)
                     for r in batch] for k in range(len(first.items))]
-        return Gather(sum(r.rows for r in batch), first.items, first.dtypes, sources)
+        return Gather(sum(r.rows for r in batch), first.items, first.dtypes, sources, names=first.names)
 
     def _stage(self, batch: List[Request]) -> _InFlight:
         flight = _InFlight(batch, time.monotonic(), self._gather(batch))
@@ -647,7 +653,7 @@ class ModelServer:
         """Write every answer first, then wake the callers: a woken caller often takes this CPU
         at once, and should not delay the answers of the rest of its batch. ``before_wake`` runs
         in between: counters a caller reads after its answer already include it."""
-        structure = OUT_TUPLE if result.is_tuple else OUT_TENSOR
+        structure = result.structure
         offset = 0
         todo = [r for r in batch if not r.answered]
         try:
@@ -659,7 +665,8 @@ class ModelServer:
                                   wake=False)
                 else:
                     outs = [o[offset:offset + r.rows] for o in result.outputs]
-                    self._respond(r, ST_OK, "", outs, structure, t_close, total, wake=False)
+                    self._respond(r, ST_OK, "", outs, structure.code, t_close, total, wake=False,
+                                  names=structure.names)
                 offset += r.rows
             if before_wake is not None:
                 before_wake()
@@ -716,7 +723,7 @@ class ModelServer:
                 self._respond(r, status, text)
 
     def _respond(self, r: Request, status: int, text: str = "", outs=(), structure: int = 0,
-                 t_close: float = 0.0, total: int = 0, wake: bool = True) -> None:
+                 t_close: float = 0.0, total: int = 0, wake: bool = True, names: bytes = b"") -> None:
         """Answer ``r`` (once); with ``wake=False`` the caller must call :meth:`_wake` after."""
         if r.answered:
             return
@@ -724,7 +731,7 @@ class ModelServer:
         self._open.pop(id(r), None)
         try:
             r.peer.respond(r.seq, status, text, outs, r.out_offset, structure, self.me, t_close, total,
-                           wake=False)
+                           wake=False, names=names)
             mark_answered(self.claim_words, r.slot, r.seq)
         except Exception:  # noqa: BLE001 - a closed peer: its client is gone
             logger.debug("%s answering slot %d failed", self.tag, r.slot, exc_info=True)

@@ -121,6 +121,7 @@ class Runtime:
         self._lifecycle_lock = threading.RLock()     # restarts vs. a reload's switch
         self._reload_lock = threading.Lock()
         self.broken: Dict[str, str] = {}
+        self._input_names: Dict[str, Tuple[str, ...]] = {}   # per model, from its first "ready"
         self._started = False
         self._closed = False
 
@@ -160,6 +161,9 @@ class Runtime:
                 for i in range(cfg.model_num):
                     self._spawn_model(cfg, i)
             self._await_models()
+            for cfg in self.models:  # what clients may rely on, published before RUNNING
+                self.ctls[cfg.name].write_spec(self._input_names.get(cfg.name, ()), cfg.input_shapes,
+                                               cfg.input_dtypes)
             for ctl in self.ctls.values():
                 ctl.set_state(RUNNING)
             self._wake_r, self._wake_w = os.pipe()
@@ -259,6 +263,12 @@ class Runtime:
             msg = None
         m.conn.close()
         m.loading = False
+        if msg is not None and msg[0] == "ready":
+            names = tuple(msg[1].get("input_names", ()))
+            known = self._input_names.setdefault(m.cfg.name, names)
+            if names != known:  # clients were told ``known`` (ControlBlock.write_spec)
+                logger.warning("model %r process %d takes inputs named %s, not %s like the first",
+                               m.cfg.name, m.instance, names, known)
         return msg
 
     # ------------------------------------------------------------ supervision

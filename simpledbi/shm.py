@@ -70,23 +70,28 @@ def check_free_space(nbytes: int, what: str, shm_dir: str = SHM_DIR) -> None:
 
 class Segment:
     """One mapped shared-memory file. ``create`` makes it exclusively (mode 0600) and reserves
-    its pages; ``readonly`` maps it without write access (what clients do with control blocks).
+    its pages -- or only the first ``reserve`` bytes: the rest stays sparse until :meth:`reserve`
+    (writing an unreserved page of a full tmpfs through the mapping is a SIGBUS);
+    ``readonly`` maps it without write access (what clients do with control blocks).
 
     Views made with :meth:`ndarray` keep the mapping exported; drop them before :meth:`close`.
     """
 
     def __init__(self, path: str, size: int = 0, create: bool = False, readonly: bool = False,
-                 keep_fd: bool = False):
+                 keep_fd: bool = False, reserve: Optional[int] = None):
         self.path = path
         self.size = int(size)
         self.owner = create
         self.fd: Optional[int] = None
         self._mmap: Optional[mmap.mmap] = None
         if create:
-            check_free_space(self.size, f"segment {os.path.basename(path)}")
+            reserve = self.size if reserve is None else min(reserve, self.size)
+            check_free_space(reserve, f"segment {os.path.basename(path)}")
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC, 0o600)
             try:
-                _reserve(fd, self.size, path)
+                if reserve < self.size:
+                    os.ftruncate(fd, self.size)
+                _reserve(fd, reserve, path)
                 self._mmap = mmap.mmap(fd, self.size)
             except BaseException:
                 os.close(fd)
@@ -117,6 +122,12 @@ class Segment:
         dtype = np.dtype(dtype)
         count = int(np.prod(shape, dtype=np.int64)) if len(shape) else 1
         return np.frombuffer(self.buf, dtype=dtype, count=count, offset=offset).reshape(shape)
+
+    def reserve(self, offset: int, nbytes: int) -> None:
+        """Reserve the pages of ``[offset, offset + nbytes)`` before writing them through the
+        mapping (creator only): a full /dev/shm then raises OSError here, not SIGBUS later."""
+        check_free_space(nbytes, f"segment {os.path.basename(self.path)}")
+        _reserve(self.fd, offset + nbytes, self.path, offset)
 
     def grow(self, size: int) -> None:
         """Extend the file (creator only) and remap it; views made before must be dropped first."""
@@ -156,16 +167,17 @@ class Segment:
         _unlink(self.path)
 
 
-def _reserve(fd: int, size: int, path: str) -> None:
+def _reserve(fd: int, size: int, path: str, start: int = 0) -> None:
     try:
         # Reserve the pages now: an over-committed tmpfs otherwise kills us with SIGBUS on
         # first touch, far from the cause.
-        os.posix_fallocate(fd, 0, size)
+        os.posix_fallocate(fd, start, size - start)
     except OSError as e:
         if e.errno in (errno.EOPNOTSUPP, errno.EINVAL):
-            os.ftruncate(fd, size)
+            if os.fstat(fd).st_size < size:
+                os.ftruncate(fd, size)
         else:
-            raise OSError(e.errno, f"cannot reserve {size / 2**20:.1f} MiB for {path}: "
+            raise OSError(e.errno, f"cannot reserve {(size - start) / 2**20:.1f} MiB for {path}: "
                           f"{e.strerror}") from None
 
 

@@ -68,9 +68,9 @@ import posix_ipc
 
 from .errors import SlotsExhausted
 from .layout import (
-    CLAIM, DATA_OFFSET, DTYPES, REQ_WORD, RESP_WORD, ERR_BYTES, ERR_OFF, FREE, IDLE, MAGIC, MAX_DIM, MAX_IO, MAX_NDIM, NEW,
-    PUBLISHED, REQ_OFF, REQUEST, RESP_OFF, RESP_SEQ_OFF, RESPONSE, ST_BAD_REQUEST, ST_OK,
-    ControlBlock, SlotTable, align, code_dtype, dtype_code, lock_path, segment_path, sem_name,
+    CLAIM, DATA_OFFSET, DTYPES, REQ_WORD, RESP_WORD, ERR_BYTES, ERR_OFF, FREE, IDLE, MAGIC, MAX_DIM, MAX_IO, MAX_NDIM,
+    NAMES_BYTES, NAMES_OFF, NEW, PUBLISHED, REQ_OFF, REQUEST, RESP_OFF, RESP_SEQ_OFF, RESPONSE, ST_BAD_REQUEST,
+    ST_OK, ControlBlock, SlotTable, align, code_dtype, dtype_code, lock_path, segment_path, sem_name,
     shape_key,
 )
 from .shm import Segment, create_semaphore, open_semaphore, pid_alive, unlink_file, unlink_sem
@@ -78,8 +78,6 @@ from .shm import Segment, create_semaphore, open_semaphore, pid_alive, unlink_fi
 logger = logging.getLogger(__name__)
 
 _SEQ_BYTES = np.dtype("<i8").itemsize
-
-
 
 
 # ================================================================ client side
@@ -125,17 +123,31 @@ class ClientSlot:
             nbytes = align(int(np.prod(s)) * dt.itemsize, 64)
             offsets.append(size)
             size += nbytes
-        self.seg = Segment(segment_path(ns, model, i, self.token), size, create=True, keep_fd=True)
+        # Input pages are reserved as requests first reach them (publish): a client whose
+        # max_shape defaults to max_batch_size rows costs only what it sends.
+        self.seg = Segment(segment_path(ns, model, i, self.token), size, create=True, keep_fd=True,
+                           reserve=DATA_OFFSET)
         self._map_views()
         req = self._req
-        req["magic"], req["slot"], req["token"], req["n_in"] = MAGIC, i, self.token, len(max_shapes)
+        req["magic"], req["slot"], req["token"] = MAGIC, i, self.token
         req["out_offset"] = size
-        for k, (off, dt) in enumerate(zip(offsets, dtypes)):
-            req["dtype"][0, k], req["offset"][0, k] = dtype_code(dt), off
         self._inputs = [(dt, off) for off, dt in zip(offsets, dtypes)]
         self._codes = [dtype_code(dt) for dt in dtypes]
-        self._shapes: List[Optional[tuple]] = [None] * len(max_shapes)   # last shape written per input
-        self._keys = {}
+        self._reserved = [0] * len(max_shapes)     # bytes of each input region reserved so far
+        self._layouts: dict = {}                   # names mask -> {item shapes: shape key}
+        self._key = 0                              # the key of the last request published
+        self._set_layout(0, tuple(range(len(max_shapes))))
+
+    def _set_layout(self, names: int, positions: Tuple[int, ...]) -> None:
+        """Which of the slot's input regions the next requests carry (``positions``), under
+        which input names (``names``: the request's flags; 0 = positional)."""
+        req = self._req
+        req["n_in"], req["flags"] = len(positions), names
+        for k, p in enumerate(positions):
+            req["dtype"][0, k], req["offset"][0, k] = self._codes[p], self._inputs[p][1]
+        self._names, self._positions = names, positions
+        self._shapes: List[Optional[tuple]] = [None] * len(positions)  # last shape written per input
+        self._keys = self._layouts.setdefault(names, {})
 
     def _map_views(self) -> None:
         seg = self.seg
@@ -152,16 +164,24 @@ class ClientSlot:
         self._in_views, self._out_views = {}, {}
 
     # ------------------------------------------------------------ publish
-    def publish(self, arrays: Sequence[np.ndarray]) -> int:
-        """Write the request and make it claimable; returns its seq."""
-        for k, x in enumerate(arrays):
+    def publish(self, arrays: Sequence[np.ndarray], names: int = 0,
+                positions: Optional[Tuple[int, ...]] = None) -> int:
+        """Write the request and make it claimable; returns its seq. Inputs are positional
+        (``names`` 0), or the declared inputs whose bits ``names`` sets, in ascending order, each
+        in the slot's region ``positions[k]``."""
+        if names != self._names:
+            self._set_layout(names, positions or tuple(range(len(self._inputs))))
+        for k, (x, p) in enumerate(zip(arrays, self._positions)):
             shape = x.shape
-            view = self._in_views.get((k, shape))
+            view = self._in_views.get((p, shape))
             if view is None:
                 if len(self._in_views) > 256:  # many distinct shapes: keep the cache bounded
                     self._in_views.clear()
-                dt, off = self._inputs[k]
-                view = self._in_views[(k, shape)] = self.seg.ndarray(off, dt, shape)
+                dt, off = self._inputs[p]
+                if x.nbytes > self._reserved[p]:
+                    self.seg.reserve(off, x.nbytes)
+                    self._reserved[p] = x.nbytes
+                view = self._in_views[(p, shape)] = self.seg.ndarray(off, dt, shape)
             np.copyto(view, x)
             if shape != self._shapes[k]:
                 nd = len(shape) - 1
@@ -175,7 +195,8 @@ class ClientSlot:
         if key is None:
             if len(self._keys) > 256:
                 self._keys.clear()
-            key = self._keys[items] = shape_key(self._codes, items)
+            key = self._keys[items] = shape_key([self._codes[p] for p in self._positions], items, names)
+        self._key = key
         self.seq += 1
         self.lost_at = 0.0
         seq, now = self.seq, time.monotonic()
@@ -244,8 +265,7 @@ class ClientSlot:
         if t.state[i] == PUBLISHED and t.seq[i] == seq and t.token[i] == self.token:
             return
         t.nrows[i], t.token[i], t.seq[i] = int(self._r_rows[0]), self.token, seq
-        key = self._keys.get(tuple(self._shapes[k][1:] for k in range(len(self._shapes))))
-        t.key[i], t.t_publish[i] = key or 0, float(self._r_t[0])
+        t.key[i], t.t_publish[i] = self._key, float(self._r_t[0])
         t.state[i] = PUBLISHED
         self.doorbell.release()
         logger.debug("slot %d of model %r: its row was changed by someone else; repaired",
@@ -264,6 +284,11 @@ class ClientSlot:
             n = min(max(w[_RS_ERRLEN], 0), ERR_BYTES)
             text = bytes(self.seg.buf[ERR_OFF:ERR_OFF + n]).decode("utf-8", "replace")
         return status, text, w[_RS_STRUCT]
+
+    def output_names(self) -> bytes:
+        """The names text of the dict / namedtuple answer read by :meth:`response`."""
+        n = min(max(self._rw[_RS_NAMESLEN], 0), NAMES_BYTES)
+        return bytes(self.seg.buf[NAMES_OFF:NAMES_OFF + n])
 
     def outputs(self) -> List[np.ndarray]:
         """Copies of the outputs of the response read by :meth:`response`."""
@@ -429,6 +454,7 @@ class Limits:
     max_batch: int
     n_inputs: Optional[int] = None                # known when the model declares its inputs
     dtypes: Optional[Tuple[np.dtype, ...]] = None
+    names: Tuple[str, ...] = ()                   # the input names requests may use (flags bits)
     max_age: float = 3600.0                       # publish times older than this are clamped
     max_request_bytes: int = 2**31                # per input: a sparse segment must not size staging
 
@@ -450,6 +476,7 @@ class Request:
     answered: bool = field(default=False)
     mapped: Optional[tuple] = None                # (mmap, address, size) when mapped for DMA
     t_seen: float = 0.0                           # when the claiming process first saw it pending
+    names: Optional[Tuple[str, ...]] = None       # keyword inputs: their names; None: positional
 
     @property
     def slot(self) -> int:
@@ -506,7 +533,8 @@ class Peer:
                 if not (now - limits.max_age <= t <= now):  # NaN fails this too
                     t = now
                 return Request(self, seq, rows, req.items, req.dtypes, req.offsets,
-                               tuple(rows * n for n in last[4]), req.out_offset, req.key, t)
+                               tuple(rows * n for n in last[4]), req.out_offset, req.key, t,
+                               names=req.names)
         req = self._validate(raw, limits, seq_hint, now)
         self._last = (raw[_STATIC_B:], raw[:_SEQ_B], raw[_NIN_B:_T_B], req,
                       tuple(n // req.rows for n in req.nbytes))
@@ -525,10 +553,9 @@ class Peer:
             raise BadRequest(f"expected 1..{limits.max_batch} rows (max_batch_size), got {rows}", seq)
         if not 1 <= n_in <= MAX_IO:
             raise BadRequest(f"expected 1..{MAX_IO} inputs, got {n_in}", seq)
-        if limits.n_inputs is not None and n_in != limits.n_inputs:
+        names, index = _input_names(flags, n_in, limits.names, seq)
+        if names is None and limits.n_inputs is not None and n_in != limits.n_inputs:
             raise BadRequest(f"the model takes {limits.n_inputs} input(s), got {n_in}", seq)
-        if flags:
-            raise BadRequest(f"unknown request flags {flags:#x}", seq)
         size = self.size = os.fstat(self.fd).st_size
         out_offset = w[_RQ_OUT]
         if not (DATA_OFFSET <= out_offset <= size and out_offset % 64 == 0):
@@ -539,8 +566,10 @@ class Peer:
             if not 0 <= code < len(DTYPES):
                 raise BadRequest(f"input {k}: unknown dtype code {code}", seq)
             dt = code_dtype(code)
-            if limits.dtypes is not None and dt != limits.dtypes[k]:
-                raise BadRequest(f"input {k}: expected {limits.dtypes[k]}, got {dt}", seq)
+            j = k if index is None else index[k]   # the declared input it is
+            if limits.dtypes is not None and j < len(limits.dtypes) and dt != limits.dtypes[j]:
+                label = k if names is None else repr(names[k])
+                raise BadRequest(f"input {label}: expected {limits.dtypes[j]}, got {dt}", seq)
             if not 0 <= ndim <= MAX_NDIM:
                 raise BadRequest(f"input {k}: expected 0..{MAX_NDIM} item dimensions, got {ndim}", seq)
             base = _RQ_DIMS + k * MAX_NDIM
@@ -561,25 +590,25 @@ class Peer:
         t = _F64.unpack_from(raw, _RQ_T * 8)[0]
         if not (math.isfinite(t) and now - limits.max_age <= t <= now):
             t = now
-        sig = (tuple(dtypes), tuple(items))
+        sig = (tuple(dtypes), tuple(items), flags)
         key = _KEYS.get(sig)
         if key is None:
             if len(_KEYS) > 4096:
                 _KEYS.clear()
-            key = _KEYS[sig] = shape_key([dtype_code(d) for d in dtypes], items)
+            key = _KEYS[sig] = shape_key([dtype_code(d) for d in dtypes], items, flags)
         return Request(self, seq, rows, tuple(items), tuple(dtypes), tuple(offsets), tuple(nbytes),
-                       out_offset, key, t)
+                       out_offset, key, t, names=names)
 
     def respond(self, seq: int, status: int, text: str = "", outputs: Sequence[np.ndarray] = (),
                 out_offset: int = 0, structure: int = 0, claimer: int = 0, t_close: float = 0.0,
-                batch_rows: int = 0, wake: bool = True) -> None:
-        """Write outputs (rows of this request), the response header and, last, RESP_SEQ; then
-        wake the client (or leave that to :meth:`wake`). Never raises for a client's fault: a
-        write that fails (the client's segment is gone or /dev/shm is full) turns into an error
-        response or is dropped."""
+                batch_rows: int = 0, wake: bool = True, names: bytes = b"") -> None:
+        """Write outputs (rows of this request), the response header (with ``names``, the keys of
+        a dict / namedtuple answer) and, last, RESP_SEQ; then wake the client (or leave that to
+        :meth:`wake`). Never raises for a client's fault: a write that fails (the client's
+        segment is gone or /dev/shm is full) turns into an error response or is dropped."""
         if status == ST_OK and not text:
             try:
-                self._respond_ok(seq, outputs, out_offset, structure, claimer, t_close, batch_rows)
+                self._respond_ok(seq, outputs, out_offset, structure, names, claimer, t_close, batch_rows)
             except (OSError, TypeError, ValueError) as e:
                 status, text = ST_BAD_REQUEST, f"could not write the outputs into the client's slot: {e}"
             else:
@@ -600,6 +629,9 @@ class Peer:
                     end = off + o.nbytes
                     off = align(end, 64)
                 w[_RS_NOUT], w[_RS_STRUCT], w[_RS_NEEDED] = len(outputs), structure, end
+                if names:
+                    os.pwrite(self.fd, names, NAMES_OFF)
+                    w[_RS_NAMESLEN] = len(names)
         except (OSError, TypeError, ValueError) as e:
             status, text = ST_BAD_REQUEST, f"could not write the outputs into the client's slot: {e}"
         try:
@@ -619,10 +651,10 @@ class Peer:
             if wake:
                 self.wake()
 
-    def _respond_ok(self, seq, outputs, out_offset, structure, claimer, t_close, batch_rows) -> None:
+    def _respond_ok(self, seq, outputs, out_offset, structure, names, claimer, t_close, batch_rows) -> None:
         """The common answer: outputs, then a response header built once per output signature
-        (dtypes, shapes, offsets) and only the words it uses, then RESP_SEQ."""
-        fd, off, sig = self.fd, out_offset, [structure, out_offset]
+        (structure, dtypes, shapes, offsets) and only the words it uses, then RESP_SEQ."""
+        fd, off, sig = self.fd, out_offset, [structure, out_offset, names]
         for o in outputs:
             if not o.flags.c_contiguous:
                 o = np.ascontiguousarray(o)
@@ -636,7 +668,7 @@ class Peer:
         if head is None:
             if len(self._heads) > 64:
                 self._heads.clear()
-            head = self._heads[key] = _response_head(outputs, out_offset, structure)
+            head = self._heads[key] = _response_head(outputs, out_offset, structure, names)
         if head[1] > self.size:
             self.size = head[1]  # the outputs extended the segment
         buf = bytearray(head[0])
@@ -678,9 +710,10 @@ class Peer:
             self.fd = None
 
 
-def _response_head(outputs, out_offset: int, structure: int) -> Tuple[bytes, int]:
+def _response_head(outputs, out_offset: int, structure: int, names: bytes = b"") -> Tuple[bytes, int]:
     """The RESPONSE words of an OK answer with these outputs, up to the last one a client reads
-    (claimer, rows and times are filled in per answer); and the segment size the outputs need."""
+    -- or all of them and the ``names`` text after them (claimer, rows and times are filled in
+    per answer); and the segment size the outputs need."""
     w = [0] * _RESP_WORDS
     off = end = out_offset
     used = _RS_DIMS
@@ -692,6 +725,9 @@ def _response_head(outputs, out_offset: int, structure: int) -> Tuple[bytes, int
         end = off + o.nbytes
         off = align(end, 64)
     w[_RS_STATUS], w[_RS_NOUT], w[_RS_STRUCT], w[_RS_NEEDED] = ST_OK, len(outputs), structure, end
+    if names:
+        w[_RS_NAMESLEN] = len(names)
+        return _I64S.pack(*w) + names, end   # NAMES_OFF follows the header
     return _I64S.pack(*w)[:used * 8], end
 
 
@@ -726,14 +762,34 @@ _CLAIMER_ROWS, _TIMES = struct.Struct("<qq"), struct.Struct("<dd")
  _RQ_NDIM, _RQ_OFFSET, _RQ_DIMS) = (REQ_WORD[n] for n in REQUEST.names)
 _CL_TOKEN, _CL_SEQ, _CL_INST, _CL_PID, _CL_DONE = (CLAIM.fields[n][1] // 8 for n in
                                                    ("token", "seq", "instance", "pid", "done"))
-(_RS_STATUS, _RS_NOUT, _RS_STRUCT, _RS_ERRLEN, _RS_CLAIMER, _RS_ROWS, _RS_NEEDED, _RS_TCLOSE,
- _RS_TDONE, _RS_DTYPE, _RS_NDIM, _RS_OFFSET, _RS_DIMS) = (RESP_WORD[n] for n in RESPONSE.names)
+(_RS_STATUS, _RS_NOUT, _RS_STRUCT, _RS_NAMESLEN, _RS_ERRLEN, _RS_CLAIMER, _RS_ROWS, _RS_NEEDED,
+ _RS_TCLOSE, _RS_TDONE, _RS_DTYPE, _RS_NDIM, _RS_OFFSET, _RS_DIMS) = (RESP_WORD[n] for n in RESPONSE.names)
+assert NAMES_OFF == RESP_OFF + 8 * _RESP_WORDS
 
 # Byte ranges of a REQUEST header: what changes per request (seq, rows: words 3-4; t_publish:
-# word 8) and what a client normally keeps (everything else).
-assert (_RQ_SEQ, _RQ_ROWS, _RQ_NIN, _RQ_T, _RQ_DTYPE) == (3, 4, 5, 8, 9)
+# word 8) and what a client normally keeps (everything else, flags included: read_request's
+# cache compares all of it).
+assert (_RQ_SEQ, _RQ_ROWS, _RQ_NIN, _RQ_FLAGS, _RQ_OUT, _RQ_T, _RQ_DTYPE) == (3, 4, 5, 6, 7, 8, 9)
 _SEQ_B, _NIN_B, _T_B, _STATIC_B = 8 * _RQ_SEQ, 8 * _RQ_NIN, 8 * _RQ_T, 8 * _RQ_DTYPE
 _seq_rows = struct.Struct("<qq")
+
+
+def _input_names(flags: int, n_in: int, declared: Tuple[str, ...], seq: int):
+    """(names, declared indices) of a request's inputs from its ``flags`` (a mask of the model's
+    declared input names); (None, None) for positional inputs (flags 0)."""
+    if not flags:
+        return None, None
+    if not declared:
+        raise BadRequest(f"unknown request flags {flags:#x}: the model declares no input names "
+                         f"(pass inputs positionally)", seq)
+    if flags < 0 or flags >> len(declared):
+        raise BadRequest(f"request flags {flags:#x}: expected a mask of the model's {len(declared)} "
+                         f"input names (bits 0..{len(declared) - 1})", seq)
+    index = [j for j in range(len(declared)) if flags >> j & 1]
+    if len(index) != n_in:
+        raise BadRequest(f"the request names {len(index)} input(s) (flags {flags:#x}) but carries "
+                         f"{n_in}", seq)
+    return tuple(declared[j] for j in index), index
 
 
 def _seq_rows_t(raw: bytes, at: int) -> Tuple[int, int, float]:

@@ -1,10 +1,13 @@
 """Model factories for the tests. Module-level so spawned model processes can unpickle them."""
 from __future__ import annotations
 
+import collections
 import faulthandler
 import logging
 import os
 import time
+
+from typing import Dict
 
 import posix_ipc
 import torch
@@ -16,6 +19,8 @@ WRONG_ROWS = -8.0     # ... makes forward return one row too few
 NOT_A_TENSOR = -9.0   # ... makes forward return a string
 SEGFAULT = -11.0      # ... crashes the model process
 LOG_ME = -12.0        # ... makes the Loud model log an error
+
+Pair = collections.namedtuple("Pair", "logits pooled")  # NamedOut's output
 
 
 class Affine(nn.Module):
@@ -214,3 +219,58 @@ class Loud(nn.Module):
         if bool((x == LOG_ME).any()):
             logging.getLogger("tests.loud").error("saw a row asking to be logged")
         return x * 2 + 1
+class HFLike(nn.Module):
+    """A HuggingFace-style model: int64 ``input_ids``, optional ``attention_mask`` and
+    ``token_type_ids`` by keyword, a dict out (None values dropped, like ModelOutput):
+    ``logits`` = 2 * ids * mask, ``hidden`` = ids + 1, ``mask_used`` only when a mask came,
+    ``types`` only when token types came -- so requests batched under the wrong names get wrong
+    keys. ``input_ids`` holding GATE blocks on the gate, if there is one."""
+
+    def __init__(self, gate_name: str = ""):
+        super().__init__()
+        self.gate = Gated(gate_name) if gate_name else None
+
+    def forward(self, input_ids, attention_mask=None, token_type_ids=None):
+        assert input_ids.dtype == torch.int64, input_ids.dtype
+        if self.gate is not None and bool((input_ids == GATE).any()):
+            self.gate.entered.release()
+            self.gate.gate.acquire(60)
+        mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+        out = {"logits": (input_ids * 2 * mask).float(), "hidden": input_ids + 1,
+               "mask_used": None if attention_mask is None else attention_mask.sum(1, keepdim=True)}
+        if token_type_ids is not None:
+            out["types"] = token_type_ids * 3
+        return out
+
+
+def hf_like(gate_name: str = ""):
+    return HFLike(gate_name)
+
+
+class Scriptable(nn.Module):
+    """For torch.jit.script: keyword inputs found in its TorchScript schema, a dict out."""
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Dict[str, torch.Tensor]:
+        return {"logits": (input_ids * attention_mask).float(), "ids": input_ids + 1}
+
+
+class NamedOut(nn.Module):
+    """(input_ids, attention_mask) -> a namedtuple (logits, pooled)."""
+
+    def forward(self, input_ids, attention_mask):
+        return Pair((input_ids * attention_mask).float(), input_ids.sum(1, keepdim=True))
+
+
+def named_out():
+    return NamedOut()
+
+
+class Nested(nn.Module):
+    """Returns a dict with a nested tuple, like HF's past_key_values: not carried."""
+
+    def forward(self, x):
+        return {"logits": x, "past": (x, x)}
+
+
+def nested():
+    return Nested()
