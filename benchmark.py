@@ -155,7 +155,7 @@ def plain_worker(rank: int, spec: BenchSpec, start_prefix: str, conn) -> None:
     from simpledbi.engine import load_model, resolve_device
     start = StartLine(start_prefix)
     try:
-        device = resolve_device(spec.device)
+        device = resolve_device(spec.device, rank)   # "cuda": workers spread over every GPU
         torch.set_num_threads(1)
         cfg = _model_config(spec)
         model = load_model(cfg, device)
