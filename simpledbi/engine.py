@@ -16,6 +16,7 @@ Timing of each stage is measured with CUDA events on the device (no extra synchr
 """
 from __future__ import annotations
 
+import collections
 import inspect
 import logging
 import os
@@ -36,6 +37,11 @@ _PRECISION = {"float32": torch.float32, "float16": torch.float16, "bfloat16": to
 MAX_GRAPH_SIGNATURES = 4
 #: Eager batches of one (item signature, graph bucket) before its graph is captured.
 GRAPH_AFTER_BATCHES = 3
+#: A capture is forced between batches (no idle moment for a second) only for a bucket used by at
+#: least this share of the last _HOT_WINDOW batches: at 128 closed-loop workers, forcing captures
+#: of the rare small sizes stalled batches for more than the graphs ever gave back.
+_HOT_SHARE = 0.2
+_HOT_WINDOW = 200
 
 
 def _describe(sig) -> str:
@@ -191,6 +197,19 @@ class Engine:
         self._graph_uses: dict = {}                  # (signature, batch size) -> eager batches
         self._graph_failed: set = set()              # signatures whose capture failed
         self._graph_pool = None
+        # The graph bucket (0: none, eager) of the last batches of each signature: a capture is
+        # forced between batches only for a bucket that many of them use (hot_graph_pending).
+        self._recent: collections.deque = collections.deque()
+        self._recent_count: collections.Counter = collections.Counter()
+        # NOTE [first batch of a size]: the first forward pass of each new batch size costs far
+        # more than the next (cuDNN builds execution plans per shape, per thread: 33-54 ms against
+        # 4-5 ms for ResNet-50 on an H200, experiments/first_batch_cost.py). Paid as sizes turn up,
+        # that put 50 ms stalls in the tail at 128 workers. So an eager batch of a size this
+        # process has not run yet is padded up to the smallest size it has run (the padding rows
+        # hold earlier inputs or zeros and never reach a caller; rows are independent, as for
+        # CUDA graphs), and the new size is run once on zeros when the process is quiet.
+        self._sizes_run: Dict[tuple, set] = {}     # signature -> eager batch sizes run here
+        self._size_todo: List[tuple] = []          # (signature, size) to run once when quiet
         # Two sets of staging buffers: batch k+1 is copied in while batch k computes.
         self._sets = [_BufferSet(self.cuda) for _ in range(2 if self.cuda else 1)]
         self._next_set = 0
@@ -246,10 +265,11 @@ class Engine:
 
     def _dev_buf(self, bs: "_BufferSet", k: int, nbytes: int) -> torch.Tensor:
         # Safe to replace: the set's previous batch was synchronised before the set is reused.
+        # Zeros, not garbage: rows past a batch may be computed as padding (never NaN from here).
         while len(bs.dev) <= k:
             bs.dev.append(torch.empty(0, dtype=torch.uint8, device=self.device))
         if bs.dev[k].numel() < nbytes:
-            bs.dev[k] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            bs.dev[k] = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
         return bs.dev[k]
 
     def _out_buf(self, bs: "_BufferSet", j: int, nbytes: int) -> torch.Tensor:
@@ -339,7 +359,8 @@ class Engine:
             for k, (item, dt) in enumerate(zip(g.items, g.dtypes)):
                 sources = g.sources[k]
                 nbytes = sum(src[2] for src in sources)
-                dev = self._dev_buf(bs, k, nbytes)
+                # room for max_batch_size rows: a batch may be padded (NOTE [first batch of a size])
+                dev = self._dev_buf(bs, k, max(nbytes, nbytes // rows * self.cfg.max_batch_size))
                 if self.gather_mode == "device" and all(src[3] for src in sources):
                     self._gather_dma(dev, sources)
                 else:
@@ -363,10 +384,10 @@ class Engine:
         t0 = time.perf_counter()
         ev, bs, rows = launched.events, launched.buffers, launched.rows
         graph = None
+        names = launched.names or (None,) * len(launched.staged)
+        sig = tuple((tuple(item), np.dtype(dtype), name)
+                    for (_, dtype, item), name in zip(launched.staged, names))
         if self._graph_sizes and rows <= self._graph_sizes[-1]:
-            names = launched.names or (None,) * len(launched.staged)
-            sig = tuple((tuple(item), np.dtype(dtype), name)
-                        for (_, dtype, item), name in zip(launched.staged, names))
             graphs = self._graphs.get(sig)
             bucket = min(n for n in self._graph_sizes if n >= rows)
             if graphs:
@@ -375,6 +396,9 @@ class Engine:
                     graph = graphs[min(fits)]
             if (graph is None or len(graph.inputs[0]) > bucket) and sig not in self._graph_failed:
                 self._count_use(sig, bucket)
+            self._note_bucket((sig, bucket))
+        elif self._graph_sizes:
+            self._note_bucket((sig, 0))
         with torch.cuda.stream(self.stream):
             self.stream.wait_event(ev["copied"])
             ev["fwd_start"].record()
@@ -384,13 +408,18 @@ class Engine:
                 graph.graph.replay()
                 outs, structure = [o[:rows] for o in graph.outputs], graph.structure
             else:
+                run = self._eager_rows(sig, rows, bs, launched.staged)  # NOTE [first batch of a size]
                 xs = []
-                for dev, dtype, item in launched.staged:
-                    x = dev.view(_torch_dtype(dtype)).view((rows, *item))
+                for k, (dev, dtype, item) in enumerate(launched.staged):
+                    if run != rows:
+                        dev = bs.dev[k][:dev.numel() // rows * run]
+                    x = dev.view(_torch_dtype(dtype)).view((run, *item))
                     if self.cast is not None and x.is_floating_point():
                         x = x.to(self.cast)
                     xs.append(x)
                 outs, structure = _as_list(self._forward(xs, launched.names))  # under inference_mode
+                if run != rows:
+                    outs = [o[:rows] for o in outs]
             ev["fwd_end"].record()
             hosts = []
             for j, o in enumerate(outs):
@@ -451,10 +480,70 @@ class Engine:
     def graphs_pending(self) -> bool:
         return bool(self._graph_todo)
 
-    def capture_step(self) -> None:
+    def _eager_rows(self, sig, rows: int, bs: "_BufferSet", staged) -> int:
+        """How many rows to run an eager batch of ``rows`` with: itself if this process ran that
+        size before (or no larger one), else the smallest larger size it ran, padded."""
+        done = self._sizes_run.get(sig)
+        if done is None:
+            done = self._sizes_run[sig] = set()
+        if rows in done:
+            return rows
+        if self.cfg.cuda_graphs is False:  # no padding: rows are not assumed independent
+            done.add(rows)
+            return rows
+        room = min(bs.dev[k].numel() // (d.numel() // rows) for k, (d, _, _) in enumerate(staged))
+        bigger = [m for m in done if rows < m <= room]
+        if not bigger:
+            done.add(rows)
+            return rows
+        if (sig, rows) not in self._size_todo and len(self._size_todo) < 4 * self.cfg.max_batch_size:
+            self._size_todo.append((sig, rows))
+        return min(bigger)
+
+    @property
+    def quiet_work_pending(self) -> bool:
+        """Graphs to capture or batch sizes to run once: work for a quiet moment."""
+        return bool(self._graph_todo or self._size_todo)
+
+    def quiet_step(self) -> None:
+        """One piece of quiet-time work: run a new batch size once on zeros (so it is never
+        padded again), else capture a queued graph."""
+        if self._size_todo:
+            sig, n = self._size_todo.pop(0)
+            names = None if sig[0][2] is None else tuple(name for _, _, name in sig)
+            with torch.inference_mode(), torch.cuda.stream(self.stream):
+                self._warm_up([item for item, _, _ in sig], [d for _, d, _ in sig], [n], names)
+            self.stream.synchronize()
+            return
+        if self._graph_todo:
+            self.capture_step()
+
+    def _note_bucket(self, key) -> None:
+        recent, count = self._recent, self._recent_count
+        recent.append(key)
+        count[key] += 1
+        if len(recent) > _HOT_WINDOW:
+            old = recent.popleft()
+            count[old] -= 1
+
+    def _hot(self, key) -> bool:
+        n = len(self._recent)
+        return n >= 20 and self._recent_count[key] >= _HOT_SHARE * n
+
+    def hot_graph_pending(self) -> bool:
+        """Is a queued graph one that at least _HOT_SHARE of the recent batches would use?"""
+        return any(self._hot(k) for k in self._graph_todo)
+
+    def capture_step(self, hot_only: bool = False) -> None:
         """Capture the next queued graph (the model process calls this while it holds no
-        requests). A failure is logged once and leaves that signature eager."""
-        sig, n = self._graph_todo.pop(0)
+        requests; or, ``hot_only``, the next one many batches would use, between two batches). A
+        failure is logged once and leaves that signature eager."""
+        key = next((k for k in self._graph_todo if self._hot(k)), None) if hot_only else \
+            self._graph_todo[0]
+        if key is None:
+            return
+        self._graph_todo.remove(key)
+        sig, n = key
         t0 = time.perf_counter()
         try:
             self._capture(sig, n)
@@ -519,6 +608,9 @@ class Engine:
 
     def _warm_up(self, shapes, dtypes, batch_sizes, names):
         result = None
+        sig = tuple((tuple(s), np.dtype(d), name)
+                    for s, d, name in zip(shapes, dtypes, names or (None,) * len(shapes)))
+        self._sizes_run.setdefault(sig, set()).update(batch_sizes)
         for n in batch_sizes:
             for _ in range(3 if self.cuda else 1):
                 xs = []

@@ -227,13 +227,15 @@ class ModelServer:
                     logger.info("%s retired: every request it took is answered", self.tag)
                     break
                 if self.engine.graphs_pending and not self.deferred and not self.retiring and \
-                        time.monotonic() - self._graph_step_at > _GRAPH_FORCE_AFTER:
-                    # Never idle: capture the next graph anyway, between two batches (it stalls
-                    # the requests this process would claim next for one capture).
+                        time.monotonic() - self._graph_step_at > _GRAPH_FORCE_AFTER and \
+                        self.engine.hot_graph_pending():
+                    # Never idle: capture a graph that many batches would use anyway, between two
+                    # batches (it stalls the requests this process would claim next for one
+                    # capture). Rare sizes wait for an idle moment: stalls would cost them more.
                     if inflight is not None:
                         done, inflight = inflight, None
                         self._complete(done)
-                    self._capture_step()
+                    self._capture_step(hot_only=True)
                 batch = self._collect(inflight)
                 if inflight is not None and inflight.completed:
                     inflight = None  # answered inside _collect
@@ -259,10 +261,11 @@ class ModelServer:
                     continue
                 if self.retiring:
                     continue
-                if self.engine.graphs_pending and not self.deferred:
-                    self._capture_step()  # idle: this process holds no request
+                if self.engine.graphs_pending and not self.deferred and self.engine.hot_graph_pending():
+                    self._capture_step(hot_only=True)  # idle: this process holds no request
                     continue
                 self._free_flag[0] = 1
+                quiet = False
                 try:
                     self.door.acquire(self.poll)
                     self._rescan = True  # the ring this consumed is news for _collect
@@ -270,8 +273,15 @@ class ModelServer:
                 except posix_ipc.BusyError:
                     if not self._maintenance():
                         break
+                    quiet = True
                 finally:
                     self._free_flag[0] = 0
+                if quiet and self.engine.quiet_work_pending and not self.deferred:
+                    # Nothing came for a poll interval: now a rare size's graph (or first run of
+                    # a batch size) costs no one. At any lull they stalled the next requests.
+                    self.engine.quiet_step()
+                    self._graph_step_at = time.monotonic()
+                    self.ctl.all_instances[self.me]["graphs"] = self.engine.graph_count
             except Exception as e:  # noqa: BLE001 - the catch-all: nothing stops this loop
                 logger.exception("%s internal error; failing the requests concerned", self.tag)
                 inflight = None
@@ -291,8 +301,8 @@ class ModelServer:
         """Is another model process of this model idle (nothing claimed, nothing running)?"""
         return self.ctl.model_num > 1 and bool(self._free.any())
 
-    def _capture_step(self) -> None:
-        self.engine.capture_step()
+    def _capture_step(self, hot_only: bool = False) -> None:
+        self.engine.capture_step(hot_only)
         self._graph_step_at = time.monotonic()
         self.ctl.all_instances[self.me]["graphs"] = self.engine.graph_count
 

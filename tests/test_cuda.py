@@ -1,6 +1,8 @@
 """The CUDA data path (registered shared memory, pinned staging, streams). Skipped without a GPU."""
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -104,3 +106,22 @@ def test_lazy_cuda_graph_capture_that_fails_leaves_the_shape_eager(start_runtime
         for _ in range(20):
             np.testing.assert_array_equal(model.forward(x), x * 2 + 1)
         assert model.stats()["cuda_graphs"] == 0 and model.stats()["restarts"] == 0
+
+
+def test_cuda_a_new_batch_size_is_padded_to_one_already_run_then_run_when_quiet(start_runtime):
+    import time
+    rt = start_runtime(ModelConfig(name="rows", factory=models.rows_run, max_batch_size=32, device="cuda",
+                                   wait_time=0.0),
+                       ModelConfig(name="plain", factory=models.rows_run, max_batch_size=32, device="cuda",
+                                   cuda_graphs=False, wait_time=0.0))
+    with SharedModel("plain", max_shape=(20, 4), namespace=rt.namespace) as model:
+        assert model.forward(np.ones((20, 4), np.float32))[0, 0] == 20
+        assert model.forward(np.ones((12, 4), np.float32)).tolist() == [[12.0]] * 12  # never padded
+    with SharedModel("rows", max_shape=(20, 4), namespace=rt.namespace) as model:
+        assert model.forward(np.ones((20, 4), np.float32))[0, 0] == 20    # a size never run: as is
+        y = model.forward(np.ones((12, 4), np.float32))
+        assert y.shape == (12, 1) and (y == 20).all()   # padded to 20 rows; 12 come back
+        deadline = time.monotonic() + 30
+        while model.forward(np.ones((12, 4), np.float32))[0, 0] != 12:  # run on its own when quiet
+            assert time.monotonic() < deadline, "size 12 was never run on its own"
+            threading.Event().wait(0.2)   # quiet: longer than the poll interval
