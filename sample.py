@@ -61,6 +61,8 @@ def main():
     args = ap.parse_args()
 
     t = time.perf_counter()
+    print(f"starting {args.model_num} model process(es) on {args.device}, then {args.workers} "
+          f"workers (a few seconds: each process imports torch)...", flush=True)
     results = Run(target=worker, worker_num=args.workers, args=(args.requests,),
                   models=[ModelConfig(name="classifier", factory=build_model,
                                       max_batch_size=args.max_batch_size, model_num=args.model_num,

@@ -21,6 +21,7 @@ logger = logging.getLogger(__name__)
 
 SOCKET_NAME = "control.sock"
 _MAX_LINE = 1 << 16
+_READ_TIMEOUT = 10.0   # seconds a connection has to send its command
 
 
 def socket_path(namespace: str) -> str:
@@ -46,15 +47,26 @@ class ControlServer:
                 conn, _ = self.sock.accept()
             except OSError:
                 return  # closed
-            with conn:
-                try:
-                    reply = self._handle(_read_line(conn))
-                except Exception as e:  # noqa: BLE001 - every failure is an answer
-                    reply = {"ok": False, "error": f"{type(e).__name__}: {e}"}
-                try:
-                    conn.sendall(json.dumps(reply).encode() + b"\n")
-                except OSError:
-                    pass
+            # One thread per connection: a client that connects and never sends (or a long
+            # reload) holds up no one else.
+            threading.Thread(target=self._serve_one, args=(conn,), name="simpledbi-control-conn",
+                             daemon=True).start()
+
+    def _serve_one(self, conn: socket.socket) -> None:
+        with conn:
+            try:
+                conn.settimeout(_READ_TIMEOUT)
+                line = _read_line(conn)
+                conn.settimeout(None)      # the answer comes when the command is done
+                reply = self._handle(line)
+            except socket.timeout:
+                reply = {"ok": False, "error": f"no command within {_READ_TIMEOUT:g} s"}
+            except Exception as e:  # noqa: BLE001 - every failure is an answer
+                reply = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+            try:
+                conn.sendall(json.dumps(reply).encode() + b"\n")
+            except OSError:
+                pass
 
     def _handle(self, line: bytes) -> dict:
         try:
@@ -64,7 +76,7 @@ class ControlServer:
         op = msg.get("op") if isinstance(msg, dict) else None
         if op == "reload":
             model, path = msg.get("model"), msg.get("path")
-            timeout = float(msg.get("timeout", 60.0))
+            timeout = msg.get("timeout", 60.0)
             if not isinstance(model, str) or (path is not None and not isinstance(path, str)):
                 return {"ok": False, "error": "reload: expected a model name and an optional path"}
             logger.info("reload of %r requested%s", model, f" from {path}" if path else "")

@@ -705,6 +705,11 @@ def _as_list(out: Any) -> Tuple[List[torch.Tensor], Structure]:
                                  f"{', '.join(sorted({type(k).__name__ for k in keys}))} (expected str)")
     elif isinstance(out, tuple) and hasattr(type(out), "_fields"):
         code, type_name, leaves, keys = OUT_NAMEDTUPLE, type(out).__name__, list(out), tuple(out._fields)
+        bad = [n for n in (type_name, *keys) if not (isinstance(n, str) and n.isidentifier())
+               or n.startswith("_")]
+        if bad:  # the caller rebuilds it with collections.namedtuple, which would refuse these
+            raise BadModelOutput(f"{_EXPECTED}; got a namedtuple with names that are not "
+                                 f"identifiers: {bad}")
     elif isinstance(out, (tuple, list)):
         code, leaves = OUT_TUPLE, list(out)
     else:

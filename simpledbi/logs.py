@@ -14,11 +14,15 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import threading
 from multiprocessing.connection import Connection, wait
 from typing import List, Optional
 
 logger = logging.getLogger(__name__)
+
+
+_STANDARD = set(logging.makeLogRecord({}).__dict__) | {"message", "asctime"}
 
 
 class _PipeHandler(logging.Handler):
@@ -37,9 +41,14 @@ class _PipeHandler(logging.Handler):
                 msg += "\n" + logging.Formatter().formatException(record.exc_info)
             if record.stack_info:
                 msg += "\n" + record.stack_info
-            out = logging.makeLogRecord(dict(record.__dict__, msg=msg, args=None, exc_info=None,
-                                             exc_text=None, stack_info=None))
-            self.conn.send(out)
+            fields = dict(record.__dict__, msg=msg, args=None, exc_info=None, exc_text=None,
+                          stack_info=None)
+            try:
+                data = pickle.dumps(logging.makeLogRecord(fields))
+            except Exception:  # noqa: BLE001 - an unpicklable ``extra``: send the standard fields
+                data = pickle.dumps(logging.makeLogRecord(
+                    {k: v for k, v in fields.items() if k in _STANDARD}))
+            self.conn.send_bytes(data)
         except (OSError, EOFError, ValueError):
             pass  # the parent is gone: nobody to tell
         except Exception:  # noqa: BLE001 - logging must never break serving
@@ -90,7 +99,7 @@ class LogRelay:
                     os.read(self._wake_r, 64)
                     continue
                 try:
-                    record = obj.recv()
+                    record = pickle.loads(obj.recv_bytes())
                 except (EOFError, OSError):  # the process exited: its pipe is drained
                     self._drop(obj)
                     continue

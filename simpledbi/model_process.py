@@ -36,7 +36,7 @@ from .config import ModelConfig, RuntimeOptions
 from .layout import (
     B_FIELDS, BATCH_HIST_MAX, COUNTERS, INST_RETIRING, H_COMPUTE, H_LATENCY, H_QUEUE, H_SUM,
     LAT_BOUNDS, INST_DEAD, INST_READY, MAX_IO, MAX_NDIM, PUBLISHED, IDLE, RING,
-    ST_BAD_REQUEST, ST_INTERNAL, ST_MODEL_ERROR, ST_OK, ST_STOPPED, STOPPING, DRAINING, ControlBlock,
+    ST_BAD_REQUEST, ST_INTERNAL, ST_MODEL_ERROR, ST_OK, ST_STOPPED, STOPPING, BROKEN, DRAINING, ControlBlock,
     SlotTable,
     doorbell_name, dtype_code,
 )
@@ -68,6 +68,9 @@ class ModelProcessSpec:
     #: Where this process's log records go (logs.py), and from which level.
     log_conn: Any = None
     log_level: int = logging.WARNING
+    #: Started by a rolling reload: after loading, claim nothing until the runtime makes this
+    #: process's bank the serving one (a reload that fails can then stop it without loss).
+    standby: bool = False
 
 
 def model_process_main(spec: ModelProcessSpec, conn) -> None:
@@ -92,7 +95,8 @@ def model_process_main(spec: ModelProcessSpec, conn) -> None:
     conn.close()
     logger.debug("%s serving on %s", server.tag, server.engine.device)
     try:
-        server.serve()
+        if not spec.standby or server.await_switch():
+            server.serve()
     finally:
         server.close()
     if server.fatal:
@@ -197,9 +201,23 @@ class ModelServer:
                                    exc_info=True)
         self._last_maintenance = time.monotonic()
         inst["graphs"] = self.engine.graph_count
-        inst["state"] = INST_READY
+        if inst["state"] != INST_RETIRING:  # replaced by a reload while loading: it stays retiring
+            inst["state"] = INST_READY
 
     # ------------------------------------------------------------ main loop
+    def await_switch(self) -> bool:
+        """A reload's new process, loaded: wait until the runtime switches the serving bank to
+        mine (True), or retires me, stops or dies (False). Polls: it lasts one switch."""
+        mine = self.me // self.ctl.model_num
+        while True:
+            if int(self.ctl.hdr["bank"]) & 1 == mine:
+                return True
+            state = int(self.ctl.hdr["state"])
+            if self._inst_state[0] == INST_RETIRING or state in (STOPPING, BROKEN) or \
+                    os.getppid() != self.spec.parent_pid:
+                return False
+            time.sleep(0.005)
+
     def serve(self) -> None:
         import torch
         with torch.inference_mode():  # once for the whole loop, not per batch
@@ -470,6 +488,7 @@ class ModelServer:
             peer.warned = True
             logger.warning("%s rejected a request of slot %d: %s", self.tag, peer.slot, text)
         peer.respond(seq, ST_BAD_REQUEST, text, claimer=self.me)
+        mark_answered(self.claim_words, peer.slot, seq)
 
     def _take(self, batch: List[Request], c: _Collecting, req: Request) -> None:
         if c.key is None:

@@ -36,7 +36,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from . import mps, naming
 from .config import ModelConfig, RuntimeOptions
-from .errors import ModelError, ModelProcessDied, WorkerError
+from .errors import ModelError, ModelProcessDied, RuntimeStopped, WorkerError
 from .janitor import janitor_main
 from .logs import LogRelay
 from .layout import (
@@ -118,6 +118,7 @@ class Runtime:
         self._failures: Dict[str, collections.deque] = {m.name: collections.deque() for m in models}
         self._restart_at: Dict[Tuple[str, int], float] = {}
         self._retired: List[_ModelProc] = []        # replaced by a reload, maybe still finishing
+        self._loading: List[_ModelProc] = []        # a reload's new processes, before the switch
         self._lifecycle_lock = threading.RLock()     # restarts vs. a reload's switch
         self._reload_lock = threading.Lock()
         self.broken: Dict[str, str] = {}
@@ -127,7 +128,7 @@ class Runtime:
 
     @property
     def model_procs(self) -> List[_ModelProc]:
-        return list(self.instances.values()) + list(self._retired)
+        return list(self.instances.values()) + list(self._retired) + list(self._loading)
 
     # ------------------------------------------------------------ start
     def start(self) -> "Runtime":
@@ -202,7 +203,8 @@ class Runtime:
                 except OSError:
                     pass
 
-    def _spawn_model(self, cfg: ModelConfig, instance: int, row: Optional[int] = None) -> _ModelProc:
+    def _spawn_model(self, cfg: ModelConfig, instance: int, row: Optional[int] = None,
+                     standby: bool = False) -> _ModelProc:
         """Start model process ``instance`` of ``cfg`` in control-block row ``row`` (default: its
         row in the serving bank) and make it the current one -- unless ``row`` is given."""
         current = row is None
@@ -211,7 +213,8 @@ class Runtime:
         parent_end, child_end = self.ctx.Pipe(duplex=False)
         log_r, log_w = self.ctx.Pipe(duplex=False)
         spec = ModelProcessSpec(self.namespace, cfg, row, self.options, os.getpid(), self._cpu_procs,
-                                self.mps.env, log_w, logging.getLogger("simpledbi").getEffectiveLevel())
+                                self.mps.env, log_w, logging.getLogger("simpledbi").getEffectiveLevel(),
+                                standby)
         proc = self.ctx.Process(target=model_process_main, args=(spec, child_end),
                                 name=f"simpledbi-{cfg.name}-{instance}", daemon=False)
         try:
@@ -288,7 +291,8 @@ class Runtime:
                             self._restart(*key)
                 timeout = max(0.0, min([next_reap] + list(self._restart_at.values())) - time.monotonic())
                 watch = {self._wake_r: None}
-                for m in self.model_procs:
+                for m in list(self.instances.values()) + list(self._retired):  # not a reload's
+                    # new processes before the switch: the reload reads their load reports
                     if m.exit_handled:
                         continue
                     if m.proc.exitcode is not None:  # died (and was reaped) since the last look
@@ -338,7 +342,8 @@ class Runtime:
         self._tell_janitor("gone", m.proc.pid)  # never signal a pid the system may reuse
         if m.retiring:
             if m.proc.exitcode:
-                logger.warning("%s after it was replaced", text)
+                logger.warning("%s after it was replaced by a reload", m.describe())
+            self._forget(m)
             return
         if ctl.state in (BROKEN, DRAINING):
             return
@@ -411,10 +416,14 @@ class Runtime:
     def reload(self, model: str, path: Optional[str] = None, timeout: float = 60.0) -> ModelConfig:
         """Replace the processes of ``model`` (with the model at ``path``, else the same source
         loaded again) without failing a request: start new processes in the other bank of the
-        control block while the current ones serve, switch, then let the old ones answer what
-        they took and exit (terminated after ``timeout`` seconds). If a new process fails to
-        load, it is stopped and the current version keeps serving; the error is raised.
-        Holds both versions in memory meanwhile."""
+        control block while the current ones serve (loaded, they claim nothing yet), switch,
+        then let the old ones answer what they took and exit (terminated after ``timeout``
+        seconds). If a new process fails to load, the new ones are stopped -- they hold nothing
+        -- and the current version keeps serving; the error is raised. Holds both versions in
+        memory meanwhile."""
+        if not (isinstance(timeout, (int, float)) and not isinstance(timeout, bool)
+                and 0 < timeout <= 3600):
+            raise ValueError(f"reload timeout: expected 0 < seconds <= 3600, got {timeout!r}")
         with self._reload_lock:
             idx = next((k for k, c in enumerate(self.models) if c.name == model), None)
             if idx is None:
@@ -434,24 +443,38 @@ class Runtime:
             for r in rows:
                 ctl.all_instances[r] = 0
                 ctl.all_instances[r]["state"] = INST_LOADING
-            fresh = [self._spawn_model(cfg, i, row=rows[i]) for i in range(n)]
+            with self._lifecycle_lock:
+                if self._stop.is_set():
+                    raise RuntimeStopped(f"reload {model!r}: the runtime is stopping")
+                fresh = [self._spawn_model(cfg, i, row=rows[i], standby=True) for i in range(n)]
+                self._loading = fresh          # shutdown stops these too
             try:
                 self._await_models(fresh)
             except BaseException as e:
-                for m in fresh:
-                    m.retiring = True
-                    self._retire(ctl, m)
+                with self._lifecycle_lock:
+                    stopping = self._stop.is_set()   # then shutdown stops them (_loading)
+                    if not stopping:
+                        self._loading = []
+                if stopping:
+                    raise RuntimeStopped(f"reload {model!r}: the runtime stopped meanwhile") from e
+                for m in fresh:  # on standby or still loading: they hold no request
                     m.proc.kill()
                     m.proc.join(self.options.join_timeout)
+                    self._forget(m)
+                for r in rows:
+                    ctl.all_instances[r]["state"] = INST_DEAD
                 raise RuntimeError(f"reload {model!r} failed; the running version keeps serving: "
                                    f"{type(e).__name__}: {e}") from e
             with self._lifecycle_lock:
+                if self._stop.is_set():
+                    raise RuntimeStopped(f"reload {model!r}: the runtime stopped meanwhile")
+                self._loading = []
                 old = [self.instances[(model, i)] for i in range(n)]
                 for i, m in enumerate(fresh):
                     self.instances[(model, i)] = m
                     self._restart_at.pop((model, i), None)
                 self.models[idx] = cfg
-                ctl.hdr["bank"] = bank          # the new processes serve already; now they own it
+                ctl.hdr["bank"] = bank          # the new processes start claiming (await_switch)
                 for m in old:
                     m.retiring = True
                     self._retire(ctl, m)
@@ -461,9 +484,13 @@ class Runtime:
                         "they took", model, f" from {path}" if path else "", n)
             deadline = time.monotonic() + timeout
             for m in old:
-                m.proc.join(max(0.0, deadline - time.monotonic()))
+                while not self._stop.is_set() and not _exited(m) and time.monotonic() < deadline:
+                    try:
+                        m.proc.join(min(0.5, max(0.0, deadline - time.monotonic())))
+                    except ValueError:  # reaped and closed by the supervisor meanwhile
+                        break
             for m in old:
-                if m.proc.is_alive():
+                if not self._stop.is_set() and not _exited(m):
                     logger.warning("model %r: old process %d (pid %d) did not finish within %.0f s; "
                                    "terminating it", model, m.instance, m.proc.pid, timeout)
                     m.proc.terminate()
@@ -471,11 +498,30 @@ class Runtime:
             return cfg
 
     def _retire(self, ctl: ControlBlock, m: _ModelProc) -> None:
+        """(Under _lifecycle_lock.) Old process ``m`` claims nothing more, answers what it took
+        and exits; the supervisor reaps it (_on_model_exit) and forgets it."""
         if ctl.all_instances[m.row]["state"] != INST_DEAD:
             ctl.all_instances[m.row]["state"] = INST_RETIRING
         ctl.all_instances[m.row]["free"] = 0
         self._retired.append(m)
-        os.write(self._wake_w, b"r")  # the supervisor watches its exit from now on
+        try:
+            os.write(self._wake_w, b"r")  # the supervisor watches its exit from now on
+        except OSError:
+            pass
+
+    def _forget(self, m: _ModelProc) -> None:
+        """A process that exited and was handled: release its pipe and handle (a long-lived
+        runtime reloads many times)."""
+        with self._lifecycle_lock:
+            if m in self._retired:
+                self._retired.remove(m)
+        self._tell_janitor("gone", m.proc.pid)
+        try:
+            if not m.conn.closed:
+                m.conn.close()
+            m.proc.close()
+        except (OSError, ValueError):
+            pass
 
     # ------------------------------------------------------------ workers
     def run_workers(self, target: Callable, worker_num: int, args=(), kwargs=None) -> List[Any]:
@@ -549,9 +595,13 @@ class Runtime:
                 ctl.set_state(DRAINING)
         logger.info("draining: new requests are refused; finishing %d accepted (up to %.0f s)",
                     self.unanswered(), timeout)
-        deadline = time.monotonic() + timeout
+        start = time.monotonic()
+        deadline = start + timeout
+        # Requests published but not claimed are client-written hints: a forged row must not
+        # hold the drain, so they count only while a model process could still be taking them.
+        grace = start + 2 * self.options.poll_interval + 0.5
         while True:
-            pending = self.unanswered()
+            pending = self.unanswered(unclaimed=time.monotonic() < grace)
             alive = any(m.proc.is_alive() for m in self.model_procs if not m.exit_handled)
             if not pending or not alive or time.monotonic() >= deadline:
                 if pending:
@@ -560,12 +610,16 @@ class Runtime:
                 return not pending
             time.sleep(0.01)  # shutdown only: a short poll of the table, not a hot path
 
-    def unanswered(self) -> int:
-        """Requests published (per their clients' rows) and not answered yet, over all models."""
+    def unanswered(self, unclaimed: bool = True) -> int:
+        """Requests a model process took and has not answered, plus (``unclaimed``) those
+        published per their clients' rows and not taken yet, over all models."""
         n = 0
         for name, table in self.tables.items():
-            done = self.ctls[name].claims["done"]
-            n += int(((table.state == PUBLISHED) & (done != table.seq)).sum())
+            claims = self.ctls[name].claims
+            seq, done = claims["seq"], claims["done"]
+            n += int(((claims["token"] == table.token) & (table.state != 0) & (seq > done)).sum())
+            if unclaimed:
+                n += int(((table.state == PUBLISHED) & (seq != table.seq) & (done != table.seq)).sum())
         return n
 
     def _unregister(self) -> None:
@@ -633,10 +687,12 @@ class Runtime:
                 proc.join()
         for name in self.tables:
             self._wake_waiters(name)
+        with self._lifecycle_lock:  # a reload thread adds or drops processes only under it
+            procs = self.model_procs
         deadline = time.monotonic() + self.options.join_timeout
-        for m in self.model_procs:
+        for m in procs:
             m.proc.join(max(0.0, deadline - time.monotonic()))
-        for m in self.model_procs:
+        for m in procs:
             if m.proc.is_alive():
                 logger.warning("model %r process %d did not stop in time; terminating",
                                m.cfg.name, m.instance)
@@ -645,7 +701,7 @@ class Runtime:
             if m.proc.is_alive():
                 m.proc.kill()
                 m.proc.join()
-        for m in self.model_procs:
+        for m in procs:
             if not m.conn.closed:
                 m.conn.close()
             m.proc.close()
@@ -658,6 +714,14 @@ class Runtime:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+
+def _exited(m: _ModelProc) -> bool:
+    """Has ``m`` exited? (The supervisor may close its handle at any moment once it has.)"""
+    try:
+        return m.exit_handled or m.proc.exitcode is not None
+    except ValueError:
+        return True
 
 
 def _raise_exit(signum, frame):

@@ -285,3 +285,24 @@ class RowsRun(nn.Module):
 
 def rows_run():
     return RowsRun()
+
+
+def armed(marker: str):
+    """y = 2x + 1 -- until ``marker + ".v2"`` exists: then y = 3x + 1, except that the one load
+    that removes ``marker`` (if it exists) fails after 2 s; and a load while ``marker + ".slow"``
+    exists takes 3 s. For reloads that fail half-way, and slow restarts."""
+    if os.path.exists(marker + ".slow"):
+        time.sleep(3)
+    if not os.path.exists(marker + ".v2"):
+        return Affine()
+    try:
+        os.unlink(marker)
+    except FileNotFoundError:
+        return Triple()
+    time.sleep(2)
+    raise RuntimeError("armed: this load fails")
+
+
+class Triple(nn.Module):
+    def forward(self, x):
+        return x * 3 + 1

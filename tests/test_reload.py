@@ -11,7 +11,7 @@ import threading
 
 import numpy as np
 import pytest
-import torch
+import torch  # noqa: F401 - torch.jit below
 
 from simpledbi import SharedModel, naming
 from simpledbi.runtime import Runtime
@@ -21,14 +21,9 @@ from .conftest import FAST, cpu_model
 from .test_serve import ROOT, _serve, _stop, _wait_for
 
 
-class Triple(torch.nn.Module):
-    def forward(self, x):
-        return x * 3 + 1
-
-
 def _scripted(tmp_path) -> str:
     path = str(tmp_path / "triple.pt")
-    torch.jit.script(Triple()).save(path)
+    torch.jit.script(models.Triple()).save(path)
     return path
 
 
@@ -121,6 +116,10 @@ def test_simpledbi_reload_command_reaches_a_serve_process(tmp_path):
         client = SharedModel("m", (1, 3), runtime=name)
         x = np.ones((1, 3), np.float32)
         np.testing.assert_array_equal(client.forward(x), x * 2 + 1)
+        import socket
+        from simpledbi.control import socket_path
+        idle = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)   # connects, never sends
+        idle.connect(socket_path(naming.resolve(name).namespace))
         out = subprocess.run([sys.executable, "-m", "simpledbi", "reload", "m", "--runtime", name,
                               "--path", path], cwd=ROOT, capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stderr
@@ -132,9 +131,70 @@ def test_simpledbi_reload_command_reaches_a_serve_process(tmp_path):
         bad = subprocess.run([sys.executable, "-m", "simpledbi", "reload", "nope", "--runtime", name],
                              cwd=ROOT, capture_output=True, text=True, timeout=60)
         assert bad.returncode == 1 and "no model named 'nope'" in bad.stderr
+        idle.close()
         client.close()
         proc.terminate()
         assert proc.wait(60) == 0
         assert naming.read(name) is None
     finally:
         _stop(proc)
+
+
+# found by an attacker after the reload landed ----------------------------------------------------
+@pytest.mark.timeout(180)
+def test_a_reload_failing_on_one_new_process_serves_nothing_new_and_fails_no_request(tmp_path):
+    marker = str(tmp_path / "arm")
+    cfg = cpu_model("m", functools.partial(models.armed, marker), model_num=2, max_batch_size=4)
+    with Runtime([cfg], FAST) as rt:
+        client = SharedModel("m", (1, 3), namespace=rt.namespace)
+        open(marker + ".v2", "w").close()
+        open(marker, "w").close()     # one of the two new processes fails, 2 s after loading
+        stop, seen, errors = threading.Event(), [], []
+        hammers = [threading.Thread(target=_hammer, args=(client, stop, seen, errors, k)) for k in range(4)]
+        for t in hammers:
+            t.start()
+        with pytest.raises(RuntimeError, match="the running version keeps serving: .*armed: this load fails"):
+            rt.reload("m")
+        stop.set()
+        for t in hammers:
+            t.join(60)
+        assert errors == [] and seen and set(seen) == {2}   # the loaded new one never claimed
+        with pytest.raises(ValueError, match="reload timeout: expected 0 < seconds <= 3600, got nan"):
+            rt.reload("m", timeout=float("nan"))
+        client.close()
+
+
+@pytest.mark.timeout(180)
+def test_a_reload_while_an_old_process_restarts_retires_it_too(tmp_path):
+    import os
+    import signal
+    import time
+    marker = str(tmp_path / "arm")
+    cfg = cpu_model("m", functools.partial(models.armed, marker), model_num=2, max_batch_size=4,
+                    restart_backoff=0.0)
+    with Runtime([cfg], FAST) as rt:
+        client = SharedModel("m", (1, 3), namespace=rt.namespace)
+        open(marker + ".slow", "w").close()       # every load from now on takes 3 s
+        victim = rt.instances[("m", 1)].proc.pid
+        os.kill(victim, signal.SIGKILL)
+        deadline = time.monotonic() + 30          # its replacement is loading (slowly)
+        while rt.instances[("m", 1)].proc.pid == victim:
+            assert time.monotonic() < deadline
+            threading.Event().wait(0.02)
+        stop, seen, errors = threading.Event(), [], []
+        hammers = [threading.Thread(target=_hammer, args=(client, stop, seen, errors, k)) for k in range(3)]
+        for t in hammers:
+            t.start()
+        t0 = time.monotonic()
+        rt.reload("m", timeout=20)
+        took = time.monotonic() - t0
+        stop.set()
+        for t in hammers:
+            t.join(60)
+        assert took < 12, f"the reload waited {took:.1f} s for a process that never retired"
+        assert errors == [], errors
+        deadline = time.monotonic() + 30          # every replaced process is reaped and forgotten
+        while rt._retired:
+            assert time.monotonic() < deadline, rt._retired
+            threading.Event().wait(0.05)
+        client.close()

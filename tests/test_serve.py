@@ -316,3 +316,19 @@ def test_forward_async_batches_concurrent_coroutines_and_never_blocks_the_loop(g
         # the 24 calls queued behind the blocked batch are served in far fewer batches
         assert st["requests"] == n + 1 and st["batches"] <= n // 2, st
         client.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_forged_published_row_does_not_hold_a_drain():
+    import time
+    with Runtime([cpu_model("m", models.affine)], FAST) as rt:
+        liar = SharedModel("m", (1, 3), namespace=rt.namespace)
+        liar.forward(np.ones((1, 3), np.float32))
+        table = rt.tables["m"]
+        slot = liar._h.idle[0].index
+        table.seq[slot] += 1000                  # "published", but nothing was
+        table.state[slot] = 2                    # PUBLISHED
+        t0 = time.monotonic()
+        assert rt.drain(20) is True
+        assert time.monotonic() - t0 < 5
+        liar.close()
