@@ -66,6 +66,10 @@ class Snapshot:
     newest: float = 0.0  # publish time of its newest request (0: same as oldest)
 
 
+#: How many turnarounds after the newest arrival a batch still waits for clients that may send.
+#: 2, 4 and 8 measured the same on the 8-worker command (docs/BENCHMARKS.md, run 16).
+_TURNAROUND_FACTOR = 2.0
+
 def decide(s: Snapshot, now: float, cost: Optional[Tuple[float, float]], rate: float,
            p: Policy, limit: Optional[int] = None, turnaround: Optional[float] = None) -> Tuple[bool, float]:
     """Close the batch now (``(True, 0)``), or ``(False, w)``: ask again after at most ``w``
@@ -92,7 +96,7 @@ def decide(s: Snapshot, now: float, cost: Optional[Tuple[float, float]], rate: f
         # Clients come back this fast after an answer (a closed loop): wait for those that may
         # send -- but only until twice that long after the newest arrival. An attached client
         # that went quiet is then given up on, so it costs a batch at most 2 x turnaround.
-        w = max(s.newest, s.oldest) + 2.0 * turnaround - now
+        w = max(s.newest, s.oldest) + _TURNAROUND_FACTOR * turnaround - now
         if MIN_WAIT < w <= budget:
             wait, gain = w, _saved(min(s.may_send, room), w, s.rows, fixed, per_row)
     if rate > 0.0:
