@@ -14,8 +14,8 @@ import logging as _logging
 
 from .client import SharedModel
 from .config import ModelConfig, RuntimeOptions
-from .errors import (ModelError, ModelProcessDied, RuntimeStopped, SimpleDBIError, SlotsExhausted,
-                     WorkerError)
+from .errors import (ModelError, ModelProcessDied, RuntimeStopped, RuntimeUnavailable, SimpleDBIError,
+                     SlotsExhausted, WorkerError)
 from .runtime import Run, Runtime
 from .status import inspect
 
@@ -29,6 +29,7 @@ __all__ = [
     "ModelError",
     "ModelProcessDied",
     "RuntimeStopped",
+    "RuntimeUnavailable",
     "SlotsExhausted",
     "WorkerError",
     "inspect",

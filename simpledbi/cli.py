@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
+import importlib.util
 import json
 import logging
 import os
@@ -56,7 +57,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     try:
         return args.func(args)
-    except (ValueError, TypeError, LookupError, OSError, RuntimeError, SimpleDBIError,
+    except BrokenPipeError:  # `simpledbi status --json | head`
+        sys.stderr.close()
+        return 0
+    except (ValueError, TypeError, LookupError, OSError, RuntimeError, SimpleDBIError, ImportError,
             tomllib.TOMLDecodeError) as e:
         print(f"simpledbi {args.command}: {e}", file=sys.stderr)
         return 2
@@ -177,6 +181,8 @@ def _source_key(where: str) -> str:
 
 def _model_config(entry: Dict[str, Any]) -> ModelConfig:
     entry = dict(entry)
+    if isinstance(entry.get("path"), str) and not os.path.isfile(entry["path"]):
+        raise ValueError(f"model {entry.get('name')!r}: no model file at {entry['path']!r}")
     if isinstance(entry.get("factory"), str):
         entry["factory"] = import_factory(entry["factory"])
     fields = {f.name for f in dataclasses.fields(ModelConfig)}
@@ -209,6 +215,10 @@ def _serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = load_serve_config(args)
+    if cfg.metrics_port is not None:
+        if importlib.util.find_spec("prometheus_client") is None:
+            # before loading any model: a missing extra fails fast
+            raise ImportError("--metrics-port needs prometheus_client: pip install 'simpledbi[metrics]'")
     stop = threading.Event()
     started = threading.Event()
 
@@ -234,7 +244,10 @@ def _serve(args: argparse.Namespace) -> int:
         where = ""
         if cfg.metrics_port is not None:
             from .metrics import start_metrics_server
-            start_metrics_server(cfg.metrics_port, cfg.name, addr=cfg.metrics_addr)
+            try:
+                start_metrics_server(cfg.metrics_port, cfg.name, addr=cfg.metrics_addr)
+            except OSError as e:
+                raise OSError(e.errno, f"--metrics-port {cfg.metrics_port}: {e.strerror}") from None
             where = f"; Prometheus metrics on {cfg.metrics_addr}:{cfg.metrics_port}/metrics"
         logger.info("runtime %r ready in %.1f s (MPS: %s): attach with SharedModel(%r, "
                     "runtime=%r) or SIMPLEDBI_RUNTIME=%s%s", cfg.name, time.monotonic() - t0,
@@ -281,7 +294,9 @@ def _status(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(dataclasses.asdict(info), indent=1, default=str))
     elif args.check:
-        bad = [f"{m.name} {m.state}" for m in info.models if not m.ready]
+        bad = [f"{m.name} {m.state}" + ("" if m.state != "running" else ", no instance ready: " +
+                                         ", ".join(i.state for i in m.instances))
+               for m in info.models if not m.ready]
         print(f"{'READY' if info.ready else 'NOT READY'}: runtime {info.name}"
               + (f" ({', '.join(bad)})" if bad else ""))
     else:

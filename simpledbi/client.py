@@ -26,7 +26,7 @@ import numpy as np
 
 from . import naming
 from . import stats as _stats
-from .errors import ModelError, ModelProcessDied, RuntimeStopped
+from .errors import ModelError, ModelProcessDied, RuntimeStopped, RuntimeUnavailable
 from .layout import (
     BROKEN, MAX_IO, MAX_NDIM, OUT_DICT, OUT_TENSOR, OUT_TUPLE, ST_BAD_REQUEST, ST_INTERNAL, ST_MODEL_ERROR,
     ST_OK, ST_STOPPED, STOPPING, ControlBlock, SlotTable, code_dtype, decode_names, doorbell_name, dtype_code,
@@ -194,10 +194,11 @@ class SharedModel:
             namespace = os.environ.get(ENV_NAMESPACE) or None
             runtime = None if namespace else os.environ.get(naming.ENV_RUNTIME) or None
         if namespace is None and runtime is None:
-            raise LookupError("no simpledbi runtime here: pass runtime='<name>' (a runtime "
-                              "started with a name, e.g. `simpledbi serve --name <name>`), set "
-                              f"${naming.ENV_RUNTIME}, or create SharedModel inside a worker started "
-                              "by simpledbi.Run")
+            running = [r.name for r in naming.list_registrations() if pid_alive(r.pid)]
+            raise LookupError("no simpledbi runtime here: this process was not started by "
+                              "simpledbi.Run; pass runtime='<name>' or set $" + naming.ENV_RUNTIME
+                              + (f" (running now: {', '.join(running)})" if running else
+                                 " (none is running: start one with `simpledbi serve --name <name>`)"))
         self._args = (max_shape, dtype)
         if runtime is not None:
             self.runtime = naming.check_name(runtime)
@@ -246,9 +247,11 @@ class SharedModel:
     def ctl(self) -> ControlBlock:
         return self._h.ctl
 
-    def _connect(self, deadline: float, avoid: Optional[str] = None) -> "_Handles":
+    def _connect(self, deadline: float, avoid: Optional[str] = None,
+                 call_timeout: Optional[float] = None) -> "_Handles":
         """Attach to the runtime named ``self.runtime`` (not to namespace ``avoid``: the one
-        that went away), waiting for it to come up until ``deadline``."""
+        that went away), waiting for it to come up until ``deadline`` -- the connect timeout's,
+        or a call's (``call_timeout`` seconds), whichever ends first."""
         pause = 0.01
         while True:
             reg = naming.resolve(self.runtime)
@@ -265,6 +268,10 @@ class SharedModel:
             left = deadline - time.monotonic()
             if left <= 0:
                 what = "came back" if avoid else "is running"
+                if call_timeout is not None:
+                    raise RuntimeUnavailable(
+                        f"model {self.name!r}: no result within the timeout ({call_timeout:.3g} s): "
+                        f"no simpledbi runtime named {self.runtime!r} {what} meanwhile")
                 raise RuntimeStopped(
                     f"no simpledbi runtime named {self.runtime!r} {what} within the connect "
                     f"timeout ({self.connect_timeout:g} s); start it with `simpledbi serve "
@@ -279,8 +286,12 @@ class SharedModel:
         with self._attach_lock:
             if self._h is not old:  # another thread did it
                 return self._h
-            limit = time.monotonic() + self.connect_timeout
-            new = self._connect(limit if deadline is None else min(limit, deadline), avoid=old.namespace)
+            now = time.monotonic()
+            limit = now + self.connect_timeout
+            if deadline is not None and deadline < limit:
+                new = self._connect(deadline, avoid=old.namespace, call_timeout=deadline - now)
+            else:
+                new = self._connect(limit, avoid=old.namespace)
             try:
                 self._set_inputs(new)   # what the successor's model declares
             except BaseException:

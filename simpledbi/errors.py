@@ -60,6 +60,11 @@ class RuntimeStopped(SimpleDBIError):
     """The runtime is shutting down (or gone) and accepts no more requests."""
 
 
+class RuntimeUnavailable(RuntimeStopped, TimeoutError):
+    """A call's ``timeout`` ran out while its runtime (attached by name) was down or restarting:
+    a :class:`RuntimeStopped` and a ``TimeoutError`` alike."""
+
+
 class WorkerError(SimpleDBIError):
     """A worker process of :func:`simpledbi.Run` failed: it raised, or exited with a non-zero code."""
 

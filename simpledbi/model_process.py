@@ -711,7 +711,7 @@ class ModelServer:
         if fatal or len(batch) == 1 or not self.cfg.isolate_errors:
             text = _error_text(error)
             logger.error("%s forward failed for a batch of %d requests (%d rows): %s", self.tag,
-                         len(batch), sum(r.rows for r in batch), text.split("\n", 2)[1][:200])
+                         len(batch), sum(r.rows for r in batch), text.split("\n", 2)[1])
             self._fail(batch, ST_MODEL_ERROR, text)
             self.counters["errors"] += len(batch)
             if fatal:
@@ -839,7 +839,20 @@ def _error_text(e: BaseException) -> str:
         tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
     except Exception:  # noqa: BLE001
         tb = ""
-    return f"{type(e).__name__}\n{_safe_str(e)}\n{tb}"
+    return f"{type(e).__name__}\n{_one_line(_safe_str(e))}\n{tb}"
+
+
+def _one_line(message: str, most: int = 600) -> str:
+    """The caller's error message is one line. A message of several (TorchScript's: "The
+    following operation failed in the TorchScript interpreter. ... RuntimeError: mat1 and mat2
+    shapes cannot be multiplied") keeps its first and its last line, where the cause is; the
+    whole of it is in the remote traceback."""
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    if len(lines) > 1:
+        message = f"{lines[0]} ... {lines[-1]}"
+    elif lines:
+        message = lines[0]
+    return message if len(message) <= most else message[:most - 3] + "..."
 
 
 def _is_cuda_fatal(e: BaseException) -> bool:

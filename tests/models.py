@@ -306,3 +306,16 @@ def armed(marker: str):
 class Triple(nn.Module):
     def forward(self, x):
         return x * 3 + 1
+
+
+class ManyLines(nn.Module):
+    """Raises like TorchScript does: the cause on the last line of a long message."""
+
+    def forward(self, x):
+        raise RuntimeError("The following operation failed in the TorchScript interpreter.\n"
+                           "Traceback of TorchScript (most recent call last):\n  File \"<x>\", line 1\n"
+                           "RuntimeError: mat1 and mat2 shapes cannot be multiplied (1x5 and 8x4)\n")
+
+
+def many_lines():
+    return ManyLines()

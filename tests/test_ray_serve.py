@@ -46,7 +46,9 @@ def test_ray_serve_replicas_batch_through_the_nodes_runtime(local_ray):
     name = f"ray{os.getpid()}-{secrets.token_hex(3)}"
     runtime = subprocess.Popen([sys.executable, "-m", "simpledbi", "serve", "--config",
                                 "examples/fastapi_app/serve.toml", "--name", name, "--device", "cpu",
-                                "--wait-time", "0.01"],
+                                # batches wait up to 20 ms for any attached client: on a loaded
+                                # 2-core machine requests of both replicas then always meet
+                                "--batching", "fixed", "--wait-time", "0.02"],
                                cwd=ROOT, text=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         _wait_lines(runtime, "ready")

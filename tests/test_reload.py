@@ -164,7 +164,7 @@ def test_a_reload_failing_on_one_new_process_serves_nothing_new_and_fails_no_req
         client.close()
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(240)
 def test_a_reload_while_an_old_process_restarts_retires_it_too(tmp_path):
     import os
     import signal
@@ -186,12 +186,12 @@ def test_a_reload_while_an_old_process_restarts_retires_it_too(tmp_path):
         for t in hammers:
             t.start()
         t0 = time.monotonic()
-        rt.reload("m", timeout=20)
+        rt.reload("m", timeout=60)   # a process that never retires would hold it 60 s
         took = time.monotonic() - t0
         stop.set()
         for t in hammers:
             t.join(60)
-        assert took < 12, f"the reload waited {took:.1f} s for a process that never retired"
+        assert took < 45, f"the reload waited {took:.1f} s for a process that never retired"
         assert errors == [], errors
         deadline = time.monotonic() + 30          # every replaced process is reaped and forgotten
         while rt._retired:

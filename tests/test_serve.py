@@ -197,16 +197,17 @@ def test_a_killed_serve_is_cleaned_up_and_clients_reattach_to_the_next_one():
 @pytest.mark.timeout(60)
 def test_serve_config_from_toml_and_flags(tmp_path):
     cfg = tmp_path / "serve.toml"
+    (tmp_path / "b.pt").write_bytes(b"")
     cfg.write_text('name = "fromfile"\nmetrics_port = 9999\n[options]\nmps = "off"\n'
                    '[[models]]\nname = "a"\nfactory = "tests.models:affine"\nmax_batch_size = 8\n'
-                   '[[models]]\nname = "b"\npath = "missing.pt"\nlatency_target = 0.02\n')
+                   f'[[models]]\nname = "b"\npath = "{tmp_path / "b.pt"}"\nlatency_target = 0.02\n')
     args = _parser().parse_args(["serve", "--config", str(cfg), "--model-num", "2",
                                  "--model", "c=tests.models:affine", "--input-shape", "3,4"])
     sc = load_serve_config(args)
     assert sc.name == "fromfile" and sc.metrics_port == 9999 and sc.options.mps == "off"
     assert [m.name for m in sc.models] == ["a", "b", "c"]
     assert sc.models[0].factory is models.affine and sc.models[0].max_batch_size == 8
-    assert sc.models[1].path == "missing.pt" and sc.models[1].latency_target == 0.02
+    assert sc.models[1].path == str(tmp_path / "b.pt") and sc.models[1].latency_target == 0.02
     assert all(m.model_num == 2 and m.input_shapes == ((3, 4),) for m in sc.models)
     cfg.write_text('name = "x"\n[[models]]\nname = "a"\nfactory = "tests.models:affine"\nbatch = 3\n')
     with pytest.raises(ValueError, match=r"model 'a': unknown settings \['batch'\]"):
@@ -216,6 +217,8 @@ def test_serve_config_from_toml_and_flags(tmp_path):
                                                 "a=tests.models:nothing"]))
     with pytest.raises(ValueError, match="a runtime name is needed"):
         load_serve_config(_parser().parse_args(["serve", "--model", "a=m.pt"]))
+    with pytest.raises(ValueError, match="model 'a': no model file at 'missing.pt'"):
+        load_serve_config(_parser().parse_args(["serve", "--name", "x", "--model", "a=missing.pt"]))
 
 
 # ---------------------------------------------------------------- looking inside
@@ -332,3 +335,33 @@ def test_a_forged_published_row_does_not_hold_a_drain():
         assert rt.drain(20) is True
         assert time.monotonic() - t0 < 5
         liar.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_call_timeout_while_the_named_runtime_is_down_is_a_timeout_error():
+    import time
+    name = _name()
+    x = np.ones((1, 3), np.float32)
+    rt = Runtime([cpu_model("m", models.affine)], FAST, name=name).start()
+    try:
+        client = SharedModel("m", (1, 3), runtime=name, connect_timeout=60)
+        client.forward(x)
+    finally:
+        rt.shutdown()
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match=rf"no result within the timeout \(0.3 s\): no simpledbi "
+                                           rf"runtime named '{name}' came back") as e:
+        client.forward(x, timeout=0.3)
+    assert isinstance(e.value, RuntimeStopped) and time.monotonic() - t0 < 5
+    client.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_multi_line_model_error_keeps_its_cause_in_the_message():
+    with Runtime([cpu_model("m", models.many_lines)], FAST) as rt:
+        with SharedModel("m", (1, 3), namespace=rt.namespace) as client:
+            with pytest.raises(simpledbi.ModelError, match=r"raised RuntimeError: The following operation "
+                               r"failed in the TorchScript interpreter\. \.\.\. RuntimeError: mat1 and "
+                               r"mat2 shapes cannot be multiplied \(1x5 and 8x4\)") as e:
+                client.forward(np.ones((1, 3), np.float32))
+            assert "Traceback of TorchScript" in e.value.remote_traceback

@@ -66,7 +66,11 @@ def http_error(e: BaseException) -> HTTPException:
 async def predict(req: PredictRequest) -> PredictResponse:
     model: SharedModel = app.state.model
     try:
-        x = np.asarray(req.inputs, dtype=np.float32)
+        try:
+            x = np.asarray(req.inputs, dtype=np.float32)
+        except ValueError:
+            raise ValueError(f"inputs: expected 1..{MAX_ROWS} rows of 16 numbers, got rows of "
+                             f"lengths {[len(r) for r in req.inputs][:MAX_ROWS]}") from None
         if x.ndim != 2 or not 1 <= x.shape[0] <= MAX_ROWS or x.shape[1] != 16:
             raise ValueError(f"inputs: expected 1..{MAX_ROWS} rows of 16 numbers, got shape {x.shape}")
         y = await model.forward_async(x, timeout=TIMEOUT if req.timeout is None else req.timeout)
