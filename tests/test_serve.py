@@ -69,6 +69,18 @@ def _gone(reg) -> bool:
         e.startswith(f"sem.{reg.namespace}") for e in os.listdir("/dev/shm"))
 
 
+def _attached_to_a_runtime_that_stopped(name: str, **kw) -> SharedModel:
+    """A client attached by name that was served once, by a runtime that has stopped since."""
+    x = np.ones((1, 3), np.float32)
+    rt = Runtime([cpu_model("m", models.affine)], FAST, name=name).start()
+    try:
+        client = SharedModel("m", (1, 3), runtime=name, **kw)
+        np.testing.assert_array_equal(client.forward(x), x * 2 + 1)
+    finally:
+        rt.shutdown()
+    return client
+
+
 # ---------------------------------------------------------------- named runtimes in-process
 @pytest.mark.timeout(120)
 def test_a_named_runtime_is_found_by_name_and_the_name_is_exclusive(monkeypatch):
@@ -116,13 +128,8 @@ def test_a_client_waits_for_a_runtime_that_starts_later_or_times_out_clearly():
 def test_a_client_attached_by_name_survives_a_runtime_restart():
     name = _name()
     x = np.ones((1, 3), np.float32)
-    first = Runtime([cpu_model("m", models.affine)], FAST, name=name).start()
-    try:
-        client = SharedModel("m", (1, 3), runtime=name)
-        np.testing.assert_array_equal(client.forward(x), x * 2 + 1)
-        old = client.namespace
-    finally:
-        first.shutdown()
+    client = _attached_to_a_runtime_that_stopped(name)
+    old = client.namespace
     with Runtime([cpu_model("m", models.affine)], FAST, name=name) as second:
         np.testing.assert_array_equal(client.forward(x, timeout=30), x * 2 + 1)  # re-attached
         assert client.namespace == second.namespace != old
@@ -342,12 +349,7 @@ def test_a_call_timeout_while_the_named_runtime_is_down_is_a_timeout_error():
     import time
     name = _name()
     x = np.ones((1, 3), np.float32)
-    rt = Runtime([cpu_model("m", models.affine)], FAST, name=name).start()
-    try:
-        client = SharedModel("m", (1, 3), runtime=name, connect_timeout=60)
-        client.forward(x)
-    finally:
-        rt.shutdown()
+    client = _attached_to_a_runtime_that_stopped(name, connect_timeout=60)
     t0 = time.monotonic()
     with pytest.raises(TimeoutError, match=rf"no result within the timeout \(0.3 s\): no simpledbi "
                                            rf"runtime named '{name}' came back") as e:
