@@ -16,10 +16,11 @@ Timing of each stage is measured with CUDA events on the device (no extra synchr
 """
 from __future__ import annotations
 
-import collections
 import inspect
 import logging
 import os
+import queue
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
@@ -37,11 +38,9 @@ _PRECISION = {"float32": torch.float32, "float16": torch.float16, "bfloat16": to
 MAX_GRAPH_SIGNATURES = 4
 #: Eager batches of one (item signature, graph bucket) before its graph is captured.
 GRAPH_AFTER_BATCHES = 3
-#: A capture is forced between batches (no idle moment for a second) only for a bucket used by at
-#: least this share of the last _HOT_WINDOW batches: at 128 closed-loop workers, forcing captures
-#: of the rare small sizes stalled batches for more than the graphs ever gave back.
-_HOT_SHARE = 0.2
-_HOT_WINDOW = 200
+#: A new batch size is padded to one already run until the padding rows spent on it reach this
+#: many full batches (about the first-run cost of a size, NOTE [first batch of a size]).
+PAD_BUDGET_BATCHES = 4
 
 
 def _describe(sig) -> str:
@@ -190,17 +189,16 @@ class Engine:
         self.gather_mode = cfg.gather if cfg.gather != "auto" else ("device" if self.cuda else "host")
         self._registered = {}                        # address -> size (cudaHostRegister)
         # CUDA graphs, per item signature ((item shape, dtype) per input): {batch size: _Graph}.
-        # Signatures seen eagerly are queued and captured later, one size per capture_step().
+        # A bucket that batches keep using is captured on a thread of its own (NOTE [graphs
+        # captured off the serving thread]) and used from the first batch after it is ready.
         self._graphs: dict = {}
         self._graph_sizes = cfg.graph_batch_sizes() if self.cuda else ()
-        self._graph_todo: List[tuple] = []           # (signature, batch size) still to capture
+        self._graph_queued: set = set()              # (signature, batch size) being captured
         self._graph_uses: dict = {}                  # (signature, batch size) -> eager batches
         self._graph_failed: set = set()              # signatures whose capture failed
         self._graph_pool = None
-        # The graph bucket (0: none, eager) of the last batches of each signature: a capture is
-        # forced between batches only for a bucket that many of them use (hot_graph_pending).
-        self._recent: collections.deque = collections.deque()
-        self._recent_count: collections.Counter = collections.Counter()
+        self._capturer: Optional[_Capturer] = None
+        self.graph_total = 0                         # graphs ready (the instance row shows it)
         # NOTE [first batch of a size]: the first forward pass of each new batch size costs far
         # more than the next (cuDNN builds execution plans per shape, per thread: 33-54 ms against
         # 4-5 ms for ResNet-50 on an H200, experiments/first_batch_cost.py). Paid as sizes turn up,
@@ -208,8 +206,15 @@ class Engine:
         # process has not run yet is padded up to the smallest size it has run (the padding rows
         # hold earlier inputs or zeros and never reach a caller; rows are independent, as for
         # CUDA graphs), and the new size is run once on zeros when the process is quiet.
+        # Padding is rent, the first run is the price of buying: under constant load (no quiet
+        # moment, ever) a size padded again and again is run as itself once the rows it wasted add
+        # up to PAD_BUDGET_BATCHES full batches -- a rare size stays padded, a frequent one is
+        # bought within a few batches (at 90% open-loop load, padding every new size for good
+        # took the median from 3.9 to 11.4 ms, docs/BENCHMARKS.md run 17).
         self._sizes_run: Dict[tuple, set] = {}     # signature -> eager batch sizes run here
         self._size_todo: List[tuple] = []          # (signature, size) to run once when quiet
+        self._pad_waste: Dict[tuple, int] = {}     # (signature, size) -> padding rows spent on it
+        self._pad_budget = PAD_BUDGET_BATCHES * cfg.max_batch_size
         # Two sets of staging buffers: batch k+1 is copied in while batch k computes.
         self._sets = [_BufferSet(self.cuda) for _ in range(2 if self.cuda else 1)]
         self._next_set = 0
@@ -249,6 +254,8 @@ class Engine:
             torch.cuda.cudart().cudaHostUnregister(address)
 
     def close(self) -> None:
+        if self._capturer is not None:
+            self._capturer.close()
         for address in list(self._registered):
             self.unregister(address)
 
@@ -382,6 +389,7 @@ class Engine:
             launched.gather_in = None
             return launched
         t0 = time.perf_counter()
+        self.take_graphs()
         ev, bs, rows = launched.events, launched.buffers, launched.rows
         graph = None
         names = launched.names or (None,) * len(launched.staged)
@@ -396,9 +404,6 @@ class Engine:
                     graph = graphs[min(fits)]
             if (graph is None or len(graph.inputs[0]) > bucket) and sig not in self._graph_failed:
                 self._count_use(sig, bucket)
-            self._note_bucket((sig, bucket))
-        elif self._graph_sizes:
-            self._note_bucket((sig, 0))
         with torch.cuda.stream(self.stream):
             self.stream.wait_event(ev["copied"])
             ev["fwd_start"].record()
@@ -465,20 +470,40 @@ class Engine:
         self._graph_uses[key] = n
         if n != GRAPH_AFTER_BATCHES:
             return
-        sigs = set(self._graphs) | {s for s, _ in self._graph_todo}
+        sigs = set(self._graphs) | {s for s, _ in self._graph_queued}
         if sig not in sigs and len(sigs) >= MAX_GRAPH_SIGNATURES:
             logger.info("%s: item shapes %s run eagerly (CUDA graphs are kept for at most %d item "
                         "shapes per model process)", self.cfg.name, _describe(sig), MAX_GRAPH_SIGNATURES)
             return
-        self._graph_todo.append(key)
+        if self._capturer is None:
+            self._capturer = _Capturer(self)
+        self._graph_queued.add(key)
+        self._capturer.submit(sig, bucket)
+
+    def take_graphs(self) -> None:
+        """Put the graphs the capture thread finished to use (serving thread, between batches)."""
+        if self._capturer is not None and self._capturer.finished:
+            self._install_graphs()
+
+    def _install_graphs(self) -> None:
+        for sig, n, graph, seconds in self._capturer.take():
+            self._graph_queued.discard((sig, n))
+            if sig in self._graph_failed:
+                continue
+            if isinstance(graph, BaseException):
+                self._graph_failed.add(sig)
+                self._graphs.pop(sig, None)
+                logger.warning("%s: CUDA graph capture failed for item shapes %s (%s: %s); running "
+                               "them eagerly", self.cfg.name, _describe(sig), type(graph).__name__, graph)
+            else:
+                self._graphs.setdefault(sig, {})[n] = graph
+                logger.info("%s: CUDA graph captured for item shapes %s, %d rows, in %.0f ms (off "
+                            "the serving thread)", self.cfg.name, _describe(sig), n, seconds * 1e3)
+        self.graph_total = sum(len(g) for g in self._graphs.values())
 
     @property
     def graph_count(self) -> int:
-        return sum(len(g) for g in self._graphs.values())
-
-    @property
-    def graphs_pending(self) -> bool:
-        return bool(self._graph_todo)
+        return self.graph_total
 
     def _eager_rows(self, sig, rows: int, bs: "_BufferSet", staged) -> int:
         """How many rows to run an eager batch of ``rows`` with: itself if this process ran that
@@ -493,70 +518,35 @@ class Engine:
             return rows
         room = min(bs.dev[k].numel() // (d.numel() // rows) for k, (d, _, _) in enumerate(staged))
         bigger = [m for m in done if rows < m <= room]
-        if not bigger:
-            done.add(rows)
-            return rows
-        if (sig, rows) not in self._size_todo and len(self._size_todo) < 4 * self.cfg.max_batch_size:
-            self._size_todo.append((sig, rows))
-        return min(bigger)
+        key = (sig, rows)
+        if bigger:
+            pad = min(bigger)
+            waste = self._pad_waste.get(key, 0) + pad - rows
+            if waste < self._pad_budget:
+                self._pad_waste[key] = waste
+                if key not in self._size_todo and len(self._size_todo) < 4 * self.cfg.max_batch_size:
+                    self._size_todo.append(key)
+                return pad
+        done.add(rows)   # no larger size run yet, or padding it cost enough: run it as itself
+        self._pad_waste.pop(key, None)
+        if key in self._size_todo:
+            self._size_todo.remove(key)
+        return rows
 
     @property
     def quiet_work_pending(self) -> bool:
-        """Graphs to capture or batch sizes to run once: work for a quiet moment."""
-        return bool(self._graph_todo or self._size_todo)
+        """Batch sizes to run once: work for a quiet moment."""
+        return bool(self._size_todo)
 
     def quiet_step(self) -> None:
         """One piece of quiet-time work: run a new batch size once on zeros (so it is never
-        padded again), else capture a queued graph."""
+        padded again). On the serving thread: cuDNN's plans are cached per thread."""
         if self._size_todo:
             sig, n = self._size_todo.pop(0)
             names = None if sig[0][2] is None else tuple(name for _, _, name in sig)
             with torch.inference_mode(), torch.cuda.stream(self.stream):
                 self._warm_up([item for item, _, _ in sig], [d for _, d, _ in sig], [n], names)
             self.stream.synchronize()
-            return
-        if self._graph_todo:
-            self.capture_step()
-
-    def _note_bucket(self, key) -> None:
-        recent, count = self._recent, self._recent_count
-        recent.append(key)
-        count[key] += 1
-        if len(recent) > _HOT_WINDOW:
-            old = recent.popleft()
-            count[old] -= 1
-
-    def _hot(self, key) -> bool:
-        n = len(self._recent)
-        return n >= 20 and self._recent_count[key] >= _HOT_SHARE * n
-
-    def hot_graph_pending(self) -> bool:
-        """Is a queued graph one that at least _HOT_SHARE of the recent batches would use?"""
-        return any(self._hot(k) for k in self._graph_todo)
-
-    def capture_step(self, hot_only: bool = False) -> None:
-        """Capture the next queued graph (the model process calls this while it holds no
-        requests; or, ``hot_only``, the next one many batches would use, between two batches). A
-        failure is logged once and leaves that signature eager."""
-        key = next((k for k in self._graph_todo if self._hot(k)), None) if hot_only else \
-            self._graph_todo[0]
-        if key is None:
-            return
-        self._graph_todo.remove(key)
-        sig, n = key
-        t0 = time.perf_counter()
-        try:
-            self._capture(sig, n)
-        except Exception as e:  # noqa: BLE001 - eager is always there to fall back on
-            self._graph_todo = [(s, m) for s, m in self._graph_todo if s != sig]
-            self._graphs.pop(sig, None)
-            self._graph_failed.add(sig)
-            torch.cuda.synchronize(self.device)
-            logger.warning("%s: CUDA graph capture failed for item shapes %s (%s: %s); running "
-                           "them eagerly", self.cfg.name, _describe(sig), type(e).__name__, e)
-            return
-        logger.info("%s: CUDA graph captured for item shapes %s, %d rows, in %.0f ms", self.cfg.name,
-                    _describe(sig), n, (time.perf_counter() - t0) * 1e3)
 
     def capture_graphs(self, shapes, dtypes, sizes, names=None) -> None:
         """Capture graphs for one item signature at once (at load time, from ``input_shapes``)."""
@@ -566,16 +556,22 @@ class Engine:
                     for s, d, name in zip(shapes, dtypes, names or (None,) * len(shapes)))
         try:
             for n in sorted(sizes, reverse=True):
-                self._capture(sig, n)
+                self._graphs.setdefault(sig, {})[n] = self._capture(sig, n)
+                self.graph_total += 1
         except BaseException:
             self._graphs.pop(sig, None)
+            self.graph_total = sum(len(g) for g in self._graphs.values())
             torch.cuda.synchronize(self.device)
             raise
 
-    def _capture(self, sig, n: int) -> None:
+    def _capture(self, sig, n: int) -> "_Graph":
+        """Capture the forward pass of ``n`` rows of ``sig`` (static zero inputs). Everything runs
+        on a stream of its own, and the capture is thread-local: the serving thread may keep
+        launching work meanwhile (NOTE [graphs captured off the serving thread])."""
         if self._graph_pool is None:
             self._graph_pool = torch.cuda.graph_pool_handle()  # one pool: graphs replay in turn
-        with torch.inference_mode():
+        side = torch.cuda.Stream(self.device)
+        with torch.inference_mode(), torch.cuda.stream(side):
             inputs = [torch.zeros((n, *item), dtype=_torch_dtype(d), device=self.device)
                       for item, d, _ in sig]
             names = None if sig[0][2] is None else tuple(name for _, _, name in sig)
@@ -585,18 +581,16 @@ class Engine:
                       for x in inputs]
                 return self._forward(xs, names)
 
-            side = torch.cuda.Stream(self.device)
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):
-                for _ in range(3):
-                    step()
-            torch.cuda.current_stream(self.device).wait_stream(side)
+            for _ in range(3):  # lazy initialisation (cuDNN plans, allocator) outside the capture
+                step()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._graph_pool):
+            graph.capture_begin(pool=self._graph_pool, capture_error_mode="thread_local")
+            try:
                 outs, structure = _as_list(step())
-        torch.cuda.synchronize(self.device)
-        self._graphs.setdefault(sig, {})[n] = _Graph(
-            graph, [x.reshape(-1).view(torch.uint8) for x in inputs], inputs, outs, structure)
+            finally:
+                graph.capture_end()
+        side.synchronize()
+        return _Graph(graph, [x.reshape(-1).view(torch.uint8) for x in inputs], inputs, outs, structure)
 
     def warm_up(self, shapes: Sequence[Tuple[int, ...]], dtypes: Sequence[str], batch_sizes: Sequence[int],
                 names: Optional[Tuple[str, ...]] = None):
@@ -663,6 +657,58 @@ class _Graph:
     inputs: List[torch.Tensor]
     outputs: List[torch.Tensor]
     structure: Structure
+
+
+class _Capturer:
+    """NOTE [graphs captured off the serving thread]: capturing a CUDA graph means running the
+    new size eagerly first (its cuDNN plans, 30-50 ms for ResNet-50 on an H200) and then
+    recording it: done between batches, that stalled every caller queued behind it, so captures
+    waited for an idle moment -- which a busy process never has, and its small batches stayed
+    eager and launch-bound (the 75-90% load tail, docs/BENCHMARKS.md). Here one thread per model
+    process captures, on its own stream and in thread-local capture mode, while the serving
+    thread keeps launching; the serving thread takes each finished graph between two batches.
+    Captures share one memory pool and run one at a time; graphs are replayed only by the
+    serving thread, in turn, so they never run concurrently (the pool's condition). Costs: the
+    captured model is called from two threads at once (inference only, no state written), and
+    the capture's warm-up runs take some GPU time beside the serving."""
+
+    def __init__(self, engine: "Engine"):
+        self._engine = engine
+        self._todo: "queue.SimpleQueue" = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._done: List[tuple] = []      # (signature, rows, _Graph or the exception, seconds)
+        self.finished = False             # unlocked read: a hint checked before every batch
+        self._thread = threading.Thread(target=self._run, name="simpledbi-graph-capture", daemon=True)
+        self._thread.start()
+
+    def submit(self, sig, n: int) -> None:
+        self._todo.put((sig, n))
+
+    def take(self) -> List[tuple]:
+        with self._lock:
+            done, self._done, self.finished = self._done, [], False
+        return done
+
+    def close(self) -> None:
+        self._todo.put(None)
+        self._thread.join(timeout=30)
+
+    def _run(self) -> None:
+        engine = self._engine
+        torch.cuda.set_device(engine.device)   # the current device is per thread
+        while True:
+            item = self._todo.get()
+            if item is None:
+                return
+            sig, n = item
+            t0 = time.perf_counter()
+            try:
+                graph = engine._capture(sig, n)
+            except Exception as e:  # noqa: BLE001 - reported to the serving thread: eager stays
+                graph = e
+            with self._lock:
+                self._done.append((sig, n, graph, time.perf_counter() - t0))
+                self.finished = True
 
 
 def _find_memcpy():

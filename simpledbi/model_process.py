@@ -50,7 +50,6 @@ assert B_FIELDS == ("t_close", "rows", "requests", "queue_wait", "gather", "h2d"
 _C_REQUESTS, _C_BATCHES, _C_ROWS, _C_HEAD, _C_OVER = (
     COUNTERS.fields[n][1] // 8 for n in ("requests", "batches", "rows", "ring_head", "over_target"))
 _BUSY_POLL = 0.0002
-_GRAPH_FORCE_AFTER = 1.0  # seconds without an idle moment before a CUDA graph is captured anyway
 
 
 @dataclass(frozen=True)
@@ -173,7 +172,7 @@ class ModelServer:
         self.fatal = False
         self._rescan = True       # pending requests may be left from the last scan
         self._first_seen: Dict[int, tuple] = {}   # slot -> (seq, when first seen pending)
-        self._graph_step_at = time.monotonic()
+        self._graphs_shown = 0    # CUDA graphs ready, as the instance row shows them
         # INSTANCE.free: 1 while this process sleeps with nothing claimed or running. A peer whose
         # device is busy leaves new requests to it rather than claiming them for later.
         free = self.ctl.all_instances["free"]
@@ -200,7 +199,7 @@ class ModelServer:
                     logger.warning("%s CUDA graph capture failed; running eagerly", self.tag,
                                    exc_info=True)
         self._last_maintenance = time.monotonic()
-        inst["graphs"] = self.engine.graph_count
+        inst["graphs"] = self._graphs_shown = self.engine.graph_count
         if inst["state"] != INST_RETIRING:  # replaced by a reload while loading: it stays retiring
             inst["state"] = INST_READY
 
@@ -244,16 +243,6 @@ class ModelServer:
                 if self.retiring and inflight is None and not self.deferred and not self._open:
                     logger.info("%s retired: every request it took is answered", self.tag)
                     break
-                if self.engine.graphs_pending and not self.deferred and not self.retiring and \
-                        time.monotonic() - self._graph_step_at > _GRAPH_FORCE_AFTER and \
-                        self.engine.hot_graph_pending():
-                    # Never idle: capture a graph that many batches would use anyway, between two
-                    # batches (it stalls the requests this process would claim next for one
-                    # capture). Rare sizes wait for an idle moment: stalls would cost them more.
-                    if inflight is not None:
-                        done, inflight = inflight, None
-                        self._complete(done)
-                    self._capture_step(hot_only=True)
                 batch = self._collect(inflight)
                 if inflight is not None and inflight.completed:
                     inflight = None  # answered inside _collect
@@ -279,9 +268,6 @@ class ModelServer:
                     continue
                 if self.retiring:
                     continue
-                if self.engine.graphs_pending and not self.deferred and self.engine.hot_graph_pending():
-                    self._capture_step(hot_only=True)  # idle: this process holds no request
-                    continue
                 self._free_flag[0] = 1
                 quiet = False
                 try:
@@ -294,12 +280,13 @@ class ModelServer:
                     quiet = True
                 finally:
                     self._free_flag[0] = 0
+                if quiet and self.engine.cuda:
+                    self.engine.take_graphs()   # captured off-thread while nothing came
+                    self._show_graphs()
                 if quiet and self.engine.quiet_work_pending and not self.deferred:
-                    # Nothing came for a poll interval: now a rare size's graph (or first run of
-                    # a batch size) costs no one. At any lull they stalled the next requests.
+                    # Nothing came for a poll interval: now the first run of a batch size costs
+                    # no one (NOTE [first batch of a size]). At any lull it stalled the next requests.
                     self.engine.quiet_step()
-                    self._graph_step_at = time.monotonic()
-                    self.ctl.all_instances[self.me]["graphs"] = self.engine.graph_count
             except Exception as e:  # noqa: BLE001 - the catch-all: nothing stops this loop
                 logger.exception("%s internal error; failing the requests concerned", self.tag)
                 inflight = None
@@ -318,11 +305,6 @@ class ModelServer:
     def _peer_free(self) -> bool:
         """Is another model process of this model idle (nothing claimed, nothing running)?"""
         return self.ctl.model_num > 1 and bool(self._free.any())
-
-    def _capture_step(self, hot_only: bool = False) -> None:
-        self.engine.capture_step(hot_only)
-        self._graph_step_at = time.monotonic()
-        self.ctl.all_instances[self.me]["graphs"] = self.engine.graph_count
 
     def close(self) -> None:
         for peer in list(self.peers.values()) + list(self.retired):
@@ -642,6 +624,12 @@ class ModelServer:
         ln = flight.launched
         if ln.started:
             self._launch_ema = 0.8 * self._launch_ema + 0.2 * ln.launch_cpu
+            self._show_graphs()
+
+    def _show_graphs(self) -> None:
+        """The instance row counts the CUDA graphs in use (captured off the serving thread)."""
+        if self.engine.graph_total != self._graphs_shown:
+            self._graphs_shown = self.ctl.all_instances[self.me]["graphs"] = self.engine.graph_total
 
     def _pipeline_forward(self) -> bool:
         """Launch batch k+1's forward before answering batch k? Only when launching is cheap next

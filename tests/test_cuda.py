@@ -79,8 +79,9 @@ def _wait_for(cond, timeout=60.0):
 
 def test_cuda_graphs_are_captured_for_the_shapes_that_arrive(start_runtime):
     """No input_shapes: batches of an item shape run eagerly at first; once a batch size has
-    occurred a few times its graph is captured while the process is idle, and later batches
-    replay it with the same answers."""
+    occurred a few times its graph is captured off the serving thread and put to use (at the
+    next batch, or after a poll interval without one), and later batches replay it with the
+    same answers."""
     rt = start_runtime(ModelConfig(name="affine", factory=models.affine, max_batch_size=8,
                                    device="cuda"))
     with SharedModel("affine", max_shape=(3, 4), namespace=rt.namespace) as model:
@@ -125,3 +126,36 @@ def test_cuda_a_new_batch_size_is_padded_to_one_already_run_then_run_when_quiet(
         while model.forward(np.ones((12, 4), np.float32))[0, 0] != 12:  # run on its own when quiet
             assert time.monotonic() < deadline, "size 12 was never run on its own"
             threading.Event().wait(0.2)   # quiet: longer than the poll interval
+
+
+def test_cuda_a_padded_size_under_constant_load_is_run_once_its_padding_cost_a_few_batches(start_runtime):
+    """No quiet moment ever comes: the size is bought once its padding rows reach the budget."""
+    from simpledbi.engine import PAD_BUDGET_BATCHES
+    rt = start_runtime(ModelConfig(name="rows", factory=models.rows_run, max_batch_size=32, device="cuda",
+                                   wait_time=0.0))
+    with SharedModel("rows", max_shape=(20, 4), namespace=rt.namespace) as model:
+        assert model.forward(np.ones((20, 4), np.float32))[0, 0] == 20
+        padded = 0
+        while model.forward(np.ones((12, 4), np.float32))[0, 0] == 20:   # back to back: never quiet
+            padded += 1
+            assert padded <= PAD_BUDGET_BATCHES * 32 // 8, "a frequent size stayed padded"
+        assert padded >= 1   # it was padded first: 12 rows had not run
+        assert model.forward(np.ones((12, 4), np.float32)).tolist() == [[12.0]] * 12
+
+
+def test_cuda_graphs_are_captured_off_the_serving_thread_under_constant_load(start_runtime):
+    """No idle moment ever comes, and graphs still appear; answers stay exact while they do,
+    from eager batches, replays, and concurrent callers on both."""
+    import time
+    rt = start_runtime(ModelConfig(name="affine", factory=models.affine, max_batch_size=8, device="cuda",
+                                   wait_time=0.0))
+    with SharedModel("affine", max_shape=(8, 5), namespace=rt.namespace) as model:
+        rng = np.random.default_rng(3)
+        deadline = time.monotonic() + 60
+        while model.stats()["cuda_graphs"] < 2:   # back to back: the process is never quiet
+            assert time.monotonic() < deadline, "no graph was captured under constant load"
+            for rows in (1, 2, 3, 1, 2):
+                x = rng.standard_normal((rows, 5)).astype(np.float32)
+                np.testing.assert_array_equal(model.forward(x), x * 2 + 1)
+        hammer_affine(model, threads=6, requests=200, max_rows=3, width=5)
+        assert model.stats()["restarts"] == 0
