@@ -233,6 +233,7 @@ class SharedModel:
         max_batch = int(h.ctl.hdr["max_batch"])
         declared = _declared_inputs(h.ctl)
         self.max_shapes, self.dtypes = _client_inputs(self.name, declared, max_shape, dtype, max_batch)
+        self._fits: set = set()   # (position, shape) of inputs that fit max_shapes (_check_shape)
         self.input_names = declared[0]
         self._name_index = {n: j for j, n in enumerate(self.input_names)}
         self.max_rows = self.max_shapes[0][0]
@@ -517,7 +518,7 @@ class SharedModel:
         for k, x in enumerate(inputs):
             p = k if positions is None else positions[k]
             max_s, dt = self.max_shapes[p], self.dtypes[p]
-            if _is_torch(x):
+            if not isinstance(x, np.ndarray) and _is_torch(x):   # numpy first: the common case
                 if x.device.type != "cpu":
                     raise TypeError(f"input {self._label(p)}: expected a CPU tensor, got one on {x.device}")
                 as_torch = True
@@ -531,22 +532,30 @@ class SharedModel:
                                 f"{type(x).__name__}")
             if x.dtype != dt:
                 raise TypeError(f"input {self._label(p)}: expected {dt}, got {x.dtype}")
-            if x.ndim != len(max_s):
-                raise ValueError(f"input {self._label(p)}: expected {len(max_s)} dimensions (rows first, "
-                                 f"at most {max_s}), got shape {x.shape}")
-            if x.shape[0] < 1 or x.shape[0] > max_s[0]:
-                raise ValueError(f"input {self._label(p)}: expected 1..{max_s[0]} rows, got {x.shape[0]} "
-                                 f"(shape {x.shape}, max_shape {max_s})")
-            for d, (got, most) in enumerate(zip(x.shape[1:], max_s[1:]), start=1):
-                if got > most or got < 1:
-                    raise ValueError(f"input {self._label(p)}: dimension {d} is {got}, expected 1..{most} "
-                                     f"(shape {x.shape}, max_shape {max_s})")
+            if (p, x.shape) not in self._fits:   # shapes seen before fit: checked once each
+                self._check_shape(x, p, max_s)
             if rows is not None and x.shape[0] != rows:
                 raise ValueError(f"input {self._label(p)}: expected {rows} rows like the first input, "
                                  f"got {x.shape[0]}")
             rows = x.shape[0]
             arrays.append(x)
         return arrays, as_torch, names, positions
+
+    def _check_shape(self, x: np.ndarray, p: int, max_s: Tuple[int, ...]) -> None:
+        """Input ``x`` at position ``p`` must fit ``max_s``; remembered in ``_fits`` once it does."""
+        if x.ndim != len(max_s):
+            raise ValueError(f"input {self._label(p)}: expected {len(max_s)} dimensions (rows first, "
+                             f"at most {max_s}), got shape {x.shape}")
+        if x.shape[0] < 1 or x.shape[0] > max_s[0]:
+            raise ValueError(f"input {self._label(p)}: expected 1..{max_s[0]} rows, got {x.shape[0]} "
+                             f"(shape {x.shape}, max_shape {max_s})")
+        for d, (got, most) in enumerate(zip(x.shape[1:], max_s[1:]), start=1):
+            if got > most or got < 1:
+                raise ValueError(f"input {self._label(p)}: dimension {d} is {got}, expected 1..{most} "
+                                 f"(shape {x.shape}, max_shape {max_s})")
+        if len(self._fits) > 1024:
+            self._fits = set()
+        self._fits.add((p, x.shape))
 
     def _label(self, k: int) -> str:
         return _label(self.input_names, k)

@@ -68,6 +68,11 @@ class Gather:
 def _read_into(buf: np.ndarray, sources, short: set) -> None:
     """preadv each source into consecutive bytes of ``buf``; zero-fill and record short reads."""
     mv = memoryview(buf).cast("B") if buf.flags.c_contiguous else memoryview(buf.reshape(-1).view(np.uint8))
+    _read_bytes(mv, sources, short)
+
+
+def _read_bytes(mv: memoryview, sources, short: set) -> None:
+    """:func:`_read_into` a byte memoryview."""
     if len(sources) == 1:
         fd, offset, nbytes, _ = sources[0]
         try:
@@ -218,6 +223,7 @@ class Engine:
         # Two sets of staging buffers: batch k+1 is copied in while batch k computes.
         self._sets = [_BufferSet(self.cuda) for _ in range(2 if self.cuda else 1)]
         self._next_set = 0
+        self._cpu_views: Dict[tuple, tuple] = {}   # CPU: (buffer, input view, bytes) by signature
         if self.cuda:
             self.stream = torch.cuda.Stream(self.device)        # forward + device->host
             self.copy_stream = torch.cuda.Stream(self.device)   # host->device
@@ -332,12 +338,22 @@ class Engine:
         times = BatchTimes()
         t0 = time.perf_counter()
         xs = []
+        host, views = self._sets[0].host, self._cpu_views
         for k, (item, dt) in enumerate(zip(g.items, g.dtypes)):
-            nbytes = sum(src[2] for src in g.sources[k])
-            buf = self._host_buf(self._sets[0], k, nbytes)
-            arr = buf[:nbytes].view(dt).reshape((g.rows, *item))
-            _read_into(arr, g.sources[k], g.short)
-            xs.append(torch.from_numpy(arr))
+            # The staging view of this input's rows and its bytes, made once per (input, rows,
+            # item, dtype, bytes) while the staging buffer stays the same. (Requests of a batch
+            # share a shape key, a CRC a client could forge: the bytes decide what is read.)
+            nbytes = sum([src[2] for src in g.sources[k]])
+            key = (k, g.rows, item, dt, nbytes)
+            view = views.get(key)
+            if view is None or k >= len(host) or view[0] is not host[k]:
+                buf = self._host_buf(self._sets[0], k, nbytes)
+                arr = buf[:nbytes].view(dt).reshape((g.rows, *item))
+                if len(views) > 256:
+                    views.clear()
+                view = views[key] = (buf, arr, memoryview(buf[:nbytes]))
+            _read_bytes(view[2], g.sources[k], g.short)
+            xs.append(torch.from_numpy(view[1]))
         if self.cast is not None:
             xs = [x.to(self.cast) if x.is_floating_point() else x for x in xs]
         t1 = time.perf_counter()
@@ -781,6 +797,8 @@ def _as_list(out: Any) -> Tuple[List[torch.Tensor], Structure]:
 
 def _to_numpy(o: torch.Tensor) -> np.ndarray:
     """An output on the host as numpy (bfloat16 becomes float32: numpy has none)."""
+    if o.is_cpu and not o.requires_grad and o.dtype in _TORCH_TO_NP:  # the common case, checked cheaply
+        return o.contiguous().numpy()
     o = o.detach()
     if o.dtype == torch.bfloat16:
         o = o.float()

@@ -134,6 +134,9 @@ def _parts(max_slots: int, rows: int):
     }
 
 
+_HDR_STATE = HEADER.fields["state"][1] // 8
+
+
 class ControlBlock:
     """Views into one model's control file. Clients attach it read-only."""
 
@@ -148,6 +151,8 @@ class ControlBlock:
             setattr(self, k, seg.ndarray(off, dtype, shape))
             off += nbytes
         self.hdr = self.header.reshape(())   # 0-d record: hdr["state"] reads and writes in place
+        # the header's int64 words: ``state`` is read on every call, as a plain int
+        self._hdr_words = memoryview(self.header.view(np.uint8).reshape(-1)).cast("q")
 
     @staticmethod
     def size(max_slots: int, model_num: int) -> int:
@@ -206,7 +211,7 @@ class ControlBlock:
 
     @property
     def state(self) -> int:
-        return int(self.hdr["state"])
+        return self._hdr_words[_HDR_STATE]
 
     @property
     def state_name(self) -> str:
@@ -244,7 +249,9 @@ class ControlBlock:
                 tuple(d["dtypes"] or ()))
 
     def close(self) -> None:
-        for k in self.PARTS + ("hdr",):
+        if self._hdr_words is not None:
+            self._hdr_words.release()
+        for k in self.PARTS + ("hdr", "_hdr_words"):
             setattr(self, k, None)
         self.seg.close()
 
@@ -267,6 +274,8 @@ class SlotTable:
         # column views, made once: the hot paths index them directly
         self.state, self.seq, self.nrows = self.rows["state"], self.rows["seq"], self.rows["rows"]
         self.key, self.token, self.t_publish = self.rows["key"], self.rows["token"], self.rows["t_publish"]
+        # the same rows as raw bytes, for struct.pack_into (a client writes its row in one call)
+        self.raw = memoryview(self.rows.view(np.uint8).reshape(-1))
 
     @staticmethod
     def size(max_slots: int) -> int:
@@ -285,7 +294,10 @@ class SlotTable:
         return cls(seg, max_slots)
 
     def close(self) -> None:
+        if self.raw is not None:
+            self.raw.release()
         self.rows = self.state = self.seq = self.nrows = self.key = self.token = self.t_publish = None
+        self.raw = None
         self.seg.close()
 
 

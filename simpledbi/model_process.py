@@ -21,6 +21,7 @@ import gc
 import logging
 import os
 import signal
+import struct
 import time
 import traceback
 from bisect import bisect_left
@@ -37,19 +38,26 @@ from .layout import (
     B_FIELDS, BATCH_HIST_MAX, COUNTERS, INST_RETIRING, H_COMPUTE, H_LATENCY, H_QUEUE, H_SUM,
     LAT_BOUNDS, INST_DEAD, INST_READY, MAX_IO, MAX_NDIM, PUBLISHED, IDLE, RING,
     ST_BAD_REQUEST, ST_INTERNAL, ST_MODEL_ERROR, ST_OK, ST_STOPPED, STOPPING, BROKEN, DRAINING, ControlBlock,
-    SlotTable,
+    HEADER, INSTANCE, SlotTable,
     doorbell_name, dtype_code,
 )
 from .logs import install_child_handler
 from .shm import open_semaphore
-from .slots import BadRequest, Limits, Peer, Request, claim_words, mark_answered, write_claim
+from .slots import (
+    CLAIM_WORDS, CL_DONE, CL_SEQ, CL_TOKEN, SLOT_WORDS, T_KEY, T_PUBLISH, T_ROWS, T_SEQ, T_TOKEN,
+    BadRequest, Limits, Peer, Request, claim_words, mark_answered, table_words, write_claim,
+)
 
 logger = logging.getLogger(__name__)
 assert B_FIELDS == ("t_close", "rows", "requests", "queue_wait", "gather", "h2d", "forward", "d2h",
                     "scatter", "runtime", "t_end")  # the order _account writes a record in
 _C_REQUESTS, _C_BATCHES, _C_ROWS, _C_HEAD, _C_OVER = (
     COUNTERS.fields[n][1] // 8 for n in ("requests", "batches", "rows", "ring_head", "over_target"))
+_H_STATE = HEADER.fields["state"][1] // 8
+_I_STATE, _I_FREE = (INSTANCE.fields[n][1] // 8 for n in ("state", "free"))
+_RECORD = struct.Struct(f"<{len(B_FIELDS)}d")   # one batch record of the ring
 _BUSY_POLL = 0.0002
+_SEM_VALUE = posix_ipc.SEMAPHORE_VALUE_SUPPORTED
 
 
 @dataclass(frozen=True)
@@ -102,11 +110,12 @@ def model_process_main(spec: ModelProcessSpec, conn) -> None:
         os._exit(3)  # the device context is unusable: let the supervisor start a fresh process
 
 
-@dataclass
+@dataclass(slots=True)
 class _Collecting:
     """The batch being collected: its shape key, rows, row cap and oldest request."""
 
     key: Optional[int] = None
+    kind: tuple = ()      # its requests' Request.kind (exact; key is only its CRC)
     rows: int = 0
     limit: int = 0
     oldest: float = float("inf")
@@ -115,7 +124,7 @@ class _Collecting:
     leftover: bool = False   # pending requests left for another process (other shape, no room)
 
 
-@dataclass
+@dataclass(slots=True)
 class _InFlight:
     batch: List[Request]
     t_close: float
@@ -129,7 +138,8 @@ class ModelServer:
     """The state of one model process: control block, slot table, engine, the slots it knows."""
 
     def __init__(self, spec: ModelProcessSpec):
-        from .engine import Engine  # torch is imported only in model processes
+        from .engine import Engine, Gather  # torch is imported only in model processes
+        self._Gather = Gather
         self.spec = spec
         self.cfg = cfg = spec.config
         self.me = spec.instance
@@ -148,6 +158,7 @@ class ModelServer:
         self.policy = batching.Policy(self.max_batch, float(cfg.wait_time), cfg.latency_target,
                                       adaptive=cfg.batching == "adaptive")
         self.costs = batching.CostModel()
+        self._late_after = self.policy.latency_target or float("inf")   # over_target counts these
         self.arrivals = batching.RateMeter()
         dtypes = None
         if cfg.input_shapes and cfg.input_dtypes:
@@ -162,8 +173,16 @@ class ModelServer:
         self.claim_seq, self.claim_token = self.ctl.claims["seq"], self.ctl.claims["token"]
         self.claim_done = self.ctl.claims["done"]
         self.claim_words = claim_words(self.ctl)
+        # the same tables as flat word views (plain ints; tokens unsigned, publish times floats)
+        self._claims_u = claim_words(self.ctl, "Q")
+        self._tw, self._tw_u, self._tw_f = (table_words(self.table, f) for f in "qQd")
         self.counters = self.ctl.counters[self.me]
-        self.count_words = self.ctl.counters.view(np.int64).reshape(self.ctl.rows, -1)[self.me]
+        # int64 words of this instance's COUNTERS record, header and INSTANCE record, and its
+        # batch ring as bytes: the hot loop reads and writes them as plain ints and floats
+        self.count_words = _words(self.ctl.counters[self.me:self.me + 1])
+        self._hdr_words = _words(self.ctl.header)
+        self._inst_words = _words(self.ctl.all_instances[self.me:self.me + 1])
+        self._ring = _words(self.ctl.ring[self.me], "B")
         hist = self.ctl.hist[self.me]
         # int64 memoryviews: an element += 1 costs a fraction of a numpy scalar's
         self.h_latency, self.h_queue, self.h_compute = (
@@ -175,11 +194,8 @@ class ModelServer:
         self._graphs_shown = 0    # CUDA graphs ready, as the instance row shows them
         # INSTANCE.free: 1 while this process sleeps with nothing claimed or running. A peer whose
         # device is busy leaves new requests to it rather than claiming them for later.
-        free = self.ctl.all_instances["free"]
-        self._free_flag = free[self.me:self.me + 1]
-        self._free_flag[0] = 0
-        self._free = free   # mine is 0 whenever I look at it
-        self._inst_state = self.ctl.all_instances["state"][self.me:self.me + 1]
+        self._inst_words[_I_FREE] = 0
+        self._free = self.ctl.all_instances["free"]   # mine is 0 whenever I look at it
         self.retiring = False     # a rolling reload replaced me: finish what I hold, then exit
         self.turnaround = batching.Ema()   # seconds from an answer to that client's next request
         self._launch_ema = 0.0    # host seconds to enqueue a forward pass (EMA)
@@ -211,8 +227,8 @@ class ModelServer:
         while True:
             if int(self.ctl.hdr["bank"]) & 1 == mine:
                 return True
-            state = int(self.ctl.hdr["state"])
-            if self._inst_state[0] == INST_RETIRING or state in (STOPPING, BROKEN) or \
+            state = self._hdr_words[_H_STATE]
+            if self._inst_words[_I_STATE] == INST_RETIRING or state in (STOPPING, BROKEN) or \
                     os.getppid() != self.spec.parent_pid:
                 return False
             time.sleep(0.005)
@@ -233,12 +249,13 @@ class ModelServer:
         Every step runs under a catch-all: whatever goes wrong fails the requests it concerns
         with a typed error, and the loop goes on."""
         inflight: Optional[_InFlight] = None
+        hdr_words, inst_words = self._hdr_words, self._inst_words
         while not self.fatal:
             try:
-                state = int(self.ctl.hdr["state"])
+                state = hdr_words[_H_STATE]
                 if state >= STOPPING and state != DRAINING:  # draining: serve what was published
                     break
-                if self._inst_state[0] == INST_RETIRING:
+                if inst_words[_I_STATE] == INST_RETIRING:
                     self.retiring = True
                 if self.retiring and inflight is None and not self.deferred and not self._open:
                     logger.info("%s retired: every request it took is answered", self.tag)
@@ -268,7 +285,7 @@ class ModelServer:
                     continue
                 if self.retiring:
                     continue
-                self._free_flag[0] = 1
+                inst_words[_I_FREE] = 1
                 quiet = False
                 try:
                     self.door.acquire(self.poll)
@@ -279,7 +296,7 @@ class ModelServer:
                         break
                     quiet = True
                 finally:
-                    self._free_flag[0] = 0
+                    inst_words[_I_FREE] = 0
                 if quiet and self.engine.cuda:
                     self.engine.take_graphs()   # captured off-thread while nothing came
                     self._show_graphs()
@@ -320,7 +337,9 @@ class ModelServer:
             self.ctl.all_instances[self.me]["state"] = INST_DEAD
         except Exception:  # noqa: BLE001
             pass
-        for view in (self.h_latency, self.h_queue, self.h_compute, self.h_batch):
+        for view in (self.h_latency, self.h_queue, self.h_compute, self.h_batch, self.count_words,
+                     self._hdr_words, self._inst_words, self._ring, self.claim_words, self._claims_u,
+                     self._tw, self._tw_u, self._tw_f):
             view.release()
         self.door.close()
         self.table.close()
@@ -348,15 +367,17 @@ class ModelServer:
         """Take every pending ring of the doorbell; returns how many there were. A ring may be a
         new request under a seq whose claim failed before (a forged hint): failed claims are
         retried after every ring."""
-        n = 0
+        n, door = 0, self.door
         try:
-            while True:
-                self.door.acquire(0)
+            # sem_getvalue first where there is one: a failed trywait raises, which costs more
+            while not _SEM_VALUE or door.value > 0:
+                door.acquire(0)
                 n += 1
         except posix_ipc.BusyError:
-            if n and self._failed:
-                self._failed.clear()
-            return n
+            pass
+        if n and self._failed:
+            self._failed.clear()
+        return n
 
     def _drop_peer(self, slot: int) -> None:
         peer = self.peers.pop(slot, None)
@@ -400,24 +421,24 @@ class ModelServer:
             return [], 0   # claim nothing new; and no one may add to what is left
         t = self.table
         states = t.state
-        pub = np.flatnonzero(states == PUBLISHED)
+        pub = (states == PUBLISHED).nonzero()[0]
         may = int(np.count_nonzero(states == IDLE))
         if not pub.size:
             return [], may
         failed, seen, now = self._failed, self._first_seen, time.monotonic()
         soon = 0
-        if pub.size <= 16:  # the common case: a few numpy scalars beat a dozen vector operations
-            seq, tok = t.seq, t.token
-            c_seq, c_tok, c_done = self.claim_seq, self.claim_token, self.claim_done
+        if pub.size <= 16:  # the common case: a few plain ints beat a dozen vector operations
+            tw, tw_u, cw, cw_u = self._tw, self._tw_u, self.claim_words, self._claims_u
             out = []
             for s in pub.tolist():
-                q, k = seq[s], tok[s]
-                if c_tok[s] == k:
-                    if c_done[s] == q:
+                row, c = s * SLOT_WORDS, s * CLAIM_WORDS
+                q, k = tw[row + T_SEQ], tw_u[row + T_TOKEN]
+                if cw_u[c + CL_TOKEN] == k:
+                    if cw[c + CL_DONE] == q:
                         soon += 1
-                    if c_seq[s] == q:
+                    if cw[c + CL_SEQ] == q:
                         continue
-                if failed and failed.get(s) == (int(k), int(q)):
+                if failed and failed.get(s) == (k, q):
                     continue
                 first = seen.get(s)
                 if first is None or first[0] != q:
@@ -440,8 +461,8 @@ class ModelServer:
         return out, may + soon
 
     def _claim(self, slot: int, now: float) -> Optional[Request]:
-        t = self.table
-        token, seq_hint = int(t.token[slot]), int(t.seq[slot])
+        row = slot * SLOT_WORDS
+        token, seq_hint = self._tw_u[row + T_TOKEN], self._tw[row + T_SEQ]
         peer = self._peer(slot, token)
         if peer is None or not peer.try_claim():
             self._failed[slot] = (token, seq_hint)  # this attach's request: not again this interval
@@ -474,9 +495,10 @@ class ModelServer:
 
     def _take(self, batch: List[Request], c: _Collecting, req: Request) -> None:
         if c.key is None:
-            c.key = req.key
-            c.limit = batching.row_limit(self.policy, self.costs.fit(req.key),
-                                         self.arrivals.rate(time.monotonic()))
+            c.key, c.kind = req.key, req.kind
+            if self.policy.latency_target is not None:  # else row_limit is max_batch
+                c.limit = batching.row_limit(self.policy, self.costs.fit(req.key),
+                                             self.arrivals.rate(time.monotonic()))
         batch.append(req)
         c.rows += req.rows
         if req.t_publish < c.oldest:
@@ -493,11 +515,11 @@ class ModelServer:
             self.deferred.sort(key=attrgetter("t_seen"))
             keep = []
             for r in self.deferred:
-                if c.key is None or (r.key == c.key and r.rows <= c.limit - c.rows):
+                if c.key is None or (r.kind == c.kind and r.rows <= c.limit - c.rows):
                     self._take(batch, c, r)
                 else:
                     keep.append(r)
-                    if r.key == c.key:
+                    if r.kind == c.kind:
                         c.waiting += r.rows
             self.deferred = keep
         if not pending:
@@ -515,17 +537,18 @@ class ModelServer:
                 first = np.fromiter((seen[s][1] for s in pending), np.float64, len(pending))
                 pending = arr[np.lexsort((hint[arr], first))].tolist()
             else:
-                pending = sorted(pending, key=lambda s: (seen[s][1], hint[s]))
-        keys, nrows = t.key, t.nrows
+                tw_f = self._tw_f
+                pending = sorted(pending, key=lambda s: (seen[s][1], tw_f[s * SLOT_WORDS + T_PUBLISH]))
+        tw = self._tw
         now = time.monotonic()
         claimed = 0
         for i, s in enumerate(pending):
             if c.key is not None:
-                if keys[s] != c.key:
+                if tw[s * SLOT_WORDS + T_KEY] != c.key:
                     c.leftover = True   # another shape, by its hint: a later batch (or a peer)
                     continue
                 # rows hints are clipped: a lying hint must not block the requests behind it
-                if min(max(int(nrows[s]), 1), self.max_batch) > c.limit - c.rows:
+                if min(max(tw[s * SLOT_WORDS + T_ROWS], 1), self.max_batch) > c.limit - c.rows:
                     c.waiting += 1
                     c.leftover = True
                     break
@@ -533,11 +556,11 @@ class ModelServer:
             if req is None:
                 continue
             claimed += req.rows
-            if c.key is None or (req.key == c.key and req.rows <= c.limit - c.rows):
+            if c.key is None or (req.kind == c.kind and req.rows <= c.limit - c.rows):
                 self._take(batch, c, req)
             else:
                 self.deferred.append(req)  # a hint that lied about its shape or size
-                c.waiting += req.key == c.key
+                c.waiting += req.kind == c.kind
             if c.rows >= c.limit:
                 c.leftover = c.leftover or i + 1 < len(pending)
                 break
@@ -572,6 +595,8 @@ class ModelServer:
                 pending, may = self._scan()  # ... and see who comes back
                 self._fill(batch, c, pending)
                 continue
+            if batching.must_close(c.rows, c.limit, c.waiting, may):
+                break   # what decide would say, at no cost
             now = time.monotonic()
             snap = batching.Snapshot(c.rows, c.oldest, c.waiting, may, device_busy, c.newest)
             close, wait = batching.decide(snap, now, costs.fit(c.key), arrivals.rate(now), policy,
@@ -598,7 +623,7 @@ class ModelServer:
 
     # ------------------------------------------------------------ one batch
     def _gather(self, batch: List[Request]):
-        from .engine import Gather
+        Gather = self._Gather
         first = batch[0]
         sources = [[(r.peer.fd, r.offsets[k], r.nbytes[k],
                      r.mapped[1] if r.mapped and r.offsets[k] + r.nbytes[k] <= r.mapped[2] else 0)
@@ -673,6 +698,7 @@ class ModelServer:
         structure = result.structure
         offset = 0
         todo = [r for r in batch if not r.answered]
+        single = len(batch) == 1  # its rows are the outputs: no slicing
         try:
             for i, r in enumerate(batch):
                 if i in short:
@@ -681,7 +707,7 @@ class ModelServer:
                                   "(its slot's segment was truncated)", t_close=t_close, total=total,
                                   wake=False)
                 else:
-                    outs = [o[offset:offset + r.rows] for o in result.outputs]
+                    outs = result.outputs if single else [o[offset:offset + r.rows] for o in result.outputs]
                     self._respond(r, ST_OK, "", outs, structure.code, t_close, total, wake=False,
                                   names=structure.names)
                 offset += r.rows
@@ -768,23 +794,26 @@ class ModelServer:
         c[_C_REQUESTS] += len(batch)
         c[_C_BATCHES] += 1
         c[_C_ROWS] += total
-        head = int(c[_C_HEAD])
-        times = result.times if result is not None else None
+        head = c[_C_HEAD]
+        if result is not None:
+            tm = result.times
+            gather, h2d, forward, d2h = tm.gather, tm.h2d, tm.forward, tm.d2h
+        else:
+            gather = h2d = forward = d2h = 0.0
         # The runtime's own work on this batch: copy in (issue and DMA overlap), copy out, scatter
         # and wake. Not wall time minus forward: with pipelining, a batch also waits for the one
         # ahead of it on the device, which is neither its forward nor the runtime's cost.
-        own = max(times.gather, times.h2d) + times.d2h if times else 0.0
-        queue_wait = t_close - sum(r.t_publish for r in batch) / len(batch)
-        self.ctl.ring[self.me, head % RING] = (  # in the order of layout.B_FIELDS
-            t_close, total, len(batch), queue_wait, times.gather if times else 0.0,
-            times.h2d if times else 0.0, times.forward if times else 0.0,
-            times.d2h if times else 0.0, t_end - t_scatter, own + (t_end - t_scatter), t_end)
+        own = max(gather, h2d) + d2h
+        queue_wait = t_close - sum([r.t_publish for r in batch]) / len(batch)
+        _RECORD.pack_into(self._ring, head % RING * _RECORD.size,  # in the order of layout.B_FIELDS
+                          t_close, total, len(batch), queue_wait, gather, h2d, forward, d2h,
+                          t_end - t_scatter, own + (t_end - t_scatter), t_end)
         c[_C_HEAD] = head + 1
         self.h_batch[total if total <= BATCH_HIST_MAX else 0] += 1
         h_lat, h_queue, h_compute = self.h_latency, self.h_queue, self.h_compute
         h_compute[bisect_left(LAT_BOUNDS, t_end - t_close)] += 1
         h_compute[H_SUM] += int((t_end - t_close) * 1e9)
-        late, target = 0, self.policy.latency_target or float("inf")
+        late, target = 0, self._late_after
         for r in batch:
             # t_publish is the client's word: clamp it, a forged one only skews its own entry
             t_pub = min(max(r.t_publish, t_close - 3600.0), t_close)
@@ -797,22 +826,40 @@ class ModelServer:
             c[_C_OVER] += late
 
 
+def _words(arr: np.ndarray, fmt: str = "q") -> memoryview:
+    """A contiguous array's memory as a flat memoryview (int64 words by default): reading or
+    writing an element costs a fraction of what a numpy scalar does."""
+    assert arr.flags.c_contiguous  # else reshape would copy: writes would go nowhere
+    raw = memoryview(arr.reshape(-1).view(np.uint8))
+    return raw if fmt == "B" else raw.cast(fmt)
+
+
 def _check_outputs(outputs, total: int) -> None:
     """Outputs must split back into per-request rows and fit the response layout."""
-    from .engine import BadModelOutput
     if len(outputs) > MAX_IO:
-        raise BadModelOutput(f"the model returned {len(outputs)} outputs; at most {MAX_IO} are supported")
+        raise _bad_output(f"the model returned {len(outputs)} outputs; at most {MAX_IO} are supported")
     for j, o in enumerate(outputs):
-        if o.ndim == 0 or o.shape[0] != total:
-            raise BadModelOutput(f"output {j} has shape {tuple(o.shape)}: expected {total} rows (the "
-                                 f"batch dimension first), got {o.shape[0] if o.ndim else 'a scalar'}")
-        if o.ndim > MAX_NDIM + 1:
-            raise BadModelOutput(f"output {j} has {o.ndim} dimensions; at most {MAX_NDIM + 1} "
-                                 f"(rows + {MAX_NDIM}) are supported")
-        try:
-            dtype_code(o.dtype)
-        except TypeError as e:
-            raise BadModelOutput(f"output {j}: {e}") from None
+        shape = o.shape
+        if not shape or shape[0] != total:
+            raise _bad_output(f"output {j} has shape {tuple(shape)}: expected {total} rows (the "
+                              f"batch dimension first), got {shape[0] if shape else 'a scalar'}")
+        if len(shape) > MAX_NDIM + 1:
+            raise _bad_output(f"output {j} has {len(shape)} dimensions; at most {MAX_NDIM + 1} "
+                              f"(rows + {MAX_NDIM}) are supported")
+        if o.dtype not in _OUT_DTYPES:
+            try:
+                dtype_code(o.dtype)
+            except TypeError as e:
+                raise _bad_output(f"output {j}: {e}") from None
+            _OUT_DTYPES.add(o.dtype)
+
+
+_OUT_DTYPES: set = set()   # output dtypes the response layout was found to carry
+
+
+def _bad_output(text: str) -> Exception:
+    from .engine import BadModelOutput  # torch is imported only in model processes
+    return BadModelOutput(text)
 
 
 def _safe_str(e: BaseException) -> str:

@@ -69,7 +69,7 @@ import posix_ipc
 from .errors import SlotsExhausted
 from .layout import (
     CLAIM, DATA_OFFSET, DTYPES, REQ_WORD, RESP_WORD, ERR_BYTES, ERR_OFF, FREE, IDLE, MAGIC, MAX_DIM, MAX_IO, MAX_NDIM,
-    NAMES_BYTES, NAMES_OFF, NEW, PUBLISHED, REQ_OFF, REQUEST, RESP_OFF, RESP_SEQ_OFF, RESPONSE, ST_BAD_REQUEST,
+    NAMES_BYTES, NAMES_OFF, NEW, PUBLISHED, REQ_OFF, REQUEST, RESP_OFF, RESP_SEQ_OFF, RESPONSE, SLOT, ST_BAD_REQUEST,
     ST_OK, ControlBlock, SlotTable, align, code_dtype, dtype_code, lock_path, segment_path, sem_name,
     shape_key,
 )
@@ -190,7 +190,7 @@ class ClientSlot:
                 self._r_dims[k, nd:] = 0
                 self._shapes[k] = shape
         rows = arrays[0].shape[0]
-        items = tuple(x.shape[1:] for x in arrays)
+        items = (arrays[0].shape[1:],) if len(arrays) == 1 else tuple(x.shape[1:] for x in arrays)
         key = self._keys.get(items)
         if key is None:
             if len(self._keys) > 256:
@@ -200,11 +200,13 @@ class ClientSlot:
         self.seq += 1
         self.lost_at = 0.0
         seq, now = self.seq, time.monotonic()
-        self._r_rows[0], self._r_t[0], self._r_seq[0] = rows, now, seq
+        buf = self.seg.buf
+        _SEQ_ROWS.pack_into(buf, REQ_OFF + _SEQ_B, seq, rows)
+        _F64.pack_into(buf, REQ_OFF + _T_B, now)
         self.ready.release()
         t, i = self.table, self.index
-        t.nrows[i], t.key[i], t.token[i], t.seq[i], t.t_publish[i] = rows, key, self.token, seq, now
-        t.state[i] = PUBLISHED
+        _ROW_HINTS.pack_into(t.raw, i * SLOT.itemsize + _ROW_HINTS_B, seq, rows, key, self.token, now)
+        t.state[i] = PUBLISHED   # last
         self.doorbell.release()
         return seq
 
@@ -459,7 +461,7 @@ class Limits:
     max_request_bytes: int = 2**31                # per input: a sparse segment must not size staging
 
 
-@dataclass
+@dataclass(slots=True)
 class Request:
     """A claimed request: a private, validated copy of what its client wrote."""
 
@@ -477,6 +479,10 @@ class Request:
     mapped: Optional[tuple] = None                # (mmap, address, size) when mapped for DMA
     t_seen: float = 0.0                           # when the claiming process first saw it pending
     names: Optional[Tuple[str, ...]] = None       # keyword inputs: their names; None: positional
+    # (dtypes, item shapes, names mask) exactly: only requests of one kind share a batch. ``key``
+    # is its CRC, comparable with clients' hints -- and a client can pick a shape whose CRC
+    # matches another client's: equal keys alone would batch different shapes together.
+    kind: tuple = ()
 
     @property
     def slot(self) -> int:
@@ -525,19 +531,26 @@ class Peer:
                 raw[_NIN_B:_T_B] == last[2]:
             # Same shapes, dtypes and offsets as the last request validated here: only seq, rows
             # and the publish time are new (the common case: a client sends alike requests).
-            seq, rows, t = _seq_rows_t(raw, _SEQ_B)
+            seq, rows, t = _SEQ_ROWS_T.unpack_from(raw, _SEQ_B)
             req = last[3]
-            if 0 < seq < 2**62 and 1 <= rows <= limits.max_batch and \
+            # As many rows as that request: its bounds checks hold (self.size only grows until
+            # the next full validation, which drops this cache first).
+            if rows == req.rows and limits is last[5]:
+                nbytes = req.nbytes
+            elif 1 <= rows <= limits.max_batch and \
                     all(off + rows * per_row <= self.size and rows * per_row <= limits.max_request_bytes
                         for off, per_row in zip(req.offsets, last[4])):
+                nbytes = tuple(rows * n for n in last[4])
+            else:
+                nbytes = None
+            if nbytes is not None and 0 < seq < 2**62:
                 if not (now - limits.max_age <= t <= now):  # NaN fails this too
                     t = now
-                return Request(self, seq, rows, req.items, req.dtypes, req.offsets,
-                               tuple(rows * n for n in last[4]), req.out_offset, req.key, t,
-                               names=req.names)
+                return Request(self, seq, rows, req.items, req.dtypes, req.offsets, nbytes,
+                               req.out_offset, req.key, t, names=req.names, kind=req.kind)
         req = self._validate(raw, limits, seq_hint, now)
         self._last = (raw[_STATIC_B:], raw[:_SEQ_B], raw[_NIN_B:_T_B], req,
-                      tuple(n // req.rows for n in req.nbytes))
+                      tuple(n // req.rows for n in req.nbytes), limits)
         return req
 
     def _validate(self, raw: bytes, limits: Limits, seq_hint: int, now: float) -> Request:
@@ -597,7 +610,7 @@ class Peer:
                 _KEYS.clear()
             key = _KEYS[sig] = shape_key([dtype_code(d) for d in dtypes], items, flags)
         return Request(self, seq, rows, tuple(items), tuple(dtypes), tuple(offsets), tuple(nbytes),
-                       out_offset, key, t, names=names)
+                       out_offset, key, t, names=names, kind=sig)
 
     def respond(self, seq: int, status: int, text: str = "", outputs: Sequence[np.ndarray] = (),
                 out_offset: int = 0, structure: int = 0, claimer: int = 0, t_close: float = 0.0,
@@ -731,23 +744,31 @@ def _response_head(outputs, out_offset: int, structure: int, names: bytes = b"")
     return _I64S.pack(*w)[:used * 8], end
 
 
-def write_claim(words: np.ndarray, slot: int, token: int, seq: int, instance: int, pid: int) -> None:
+def write_claim(words: memoryview, slot: int, token: int, seq: int, instance: int, pid: int) -> None:
     """Record who owns a slot's request (the client checks that process's liveness).
     ``words`` is ``claim_words(ctl)``."""
-    row = words[slot]
-    row[_CL_PID], row[_CL_INST] = pid, instance
-    row[_CL_TOKEN] = token - 2**64 if token >= 2**63 else token
-    row[_CL_SEQ] = seq  # last
+    row = slot * CLAIM_WORDS
+    words[row + _CL_PID], words[row + _CL_INST] = pid, instance
+    words[row + _CL_TOKEN] = token - 2**64 if token >= 2**63 else token
+    words[row + _CL_SEQ] = seq  # last
 
 
-def mark_answered(words: np.ndarray, slot: int, seq: int) -> None:
+def mark_answered(words: memoryview, slot: int, seq: int) -> None:
     """After answering: the slot's client may send again as soon as it has read the answer."""
-    words[slot, _CL_DONE] = seq
+    words[slot * CLAIM_WORDS + _CL_DONE] = seq
 
 
-def claim_words(ctl: ControlBlock) -> np.ndarray:
-    """The claims table as int64 words, one row per slot (fast to write field by field)."""
-    return ctl.claims.view(np.int64).reshape(ctl.max_slots, CLAIM.itemsize // 8)
+def claim_words(ctl: ControlBlock, fmt: str = "q") -> memoryview:
+    """The claims table as one flat memoryview of int64 words (``fmt`` "Q": unsigned), slot i's
+    at ``i * CLAIM_WORDS``: fields read and written as plain ints, a fraction of a numpy scalar's
+    cost. Release it before the control block closes."""
+    return memoryview(ctl.claims.view(np.uint8).reshape(-1)).cast(fmt)
+
+
+def table_words(table: SlotTable, fmt: str = "q") -> memoryview:
+    """The slot table's hints as one flat memoryview of 8-byte words (``fmt``: "q", "Q" for the
+    token, "d" for t_publish), slot i's at ``i * SLOT_WORDS``. Release it before the table closes."""
+    return memoryview(table.rows.view(np.uint8).reshape(-1)).cast(fmt)
 
 
 _KEYS: dict = {}   # (dtypes, item shapes) -> shape_key, in a model process
@@ -762,6 +783,10 @@ _CLAIMER_ROWS, _TIMES = struct.Struct("<qq"), struct.Struct("<dd")
  _RQ_NDIM, _RQ_OFFSET, _RQ_DIMS) = (REQ_WORD[n] for n in REQUEST.names)
 _CL_TOKEN, _CL_SEQ, _CL_INST, _CL_PID, _CL_DONE = (CLAIM.fields[n][1] // 8 for n in
                                                    ("token", "seq", "instance", "pid", "done"))
+CLAIM_WORDS, SLOT_WORDS = CLAIM.itemsize // 8, SLOT.itemsize // 8
+#: word indices of the fields of a CLAIM / SLOT row (claim_words, table_words)
+CL_TOKEN, CL_SEQ, CL_DONE = _CL_TOKEN, _CL_SEQ, _CL_DONE
+T_STATE, T_SEQ, T_ROWS, T_KEY, T_TOKEN, T_PUBLISH = (SLOT.fields[n][1] // 8 for n in SLOT.names)
 (_RS_STATUS, _RS_NOUT, _RS_STRUCT, _RS_NAMESLEN, _RS_ERRLEN, _RS_CLAIMER, _RS_ROWS, _RS_NEEDED,
  _RS_TCLOSE, _RS_TDONE, _RS_DTYPE, _RS_NDIM, _RS_OFFSET, _RS_DIMS) = (RESP_WORD[n] for n in RESPONSE.names)
 assert NAMES_OFF == RESP_OFF + 8 * _RESP_WORDS
@@ -771,7 +796,11 @@ assert NAMES_OFF == RESP_OFF + 8 * _RESP_WORDS
 # cache compares all of it).
 assert (_RQ_SEQ, _RQ_ROWS, _RQ_NIN, _RQ_FLAGS, _RQ_OUT, _RQ_T, _RQ_DTYPE) == (3, 4, 5, 6, 7, 8, 9)
 _SEQ_B, _NIN_B, _T_B, _STATIC_B = 8 * _RQ_SEQ, 8 * _RQ_NIN, 8 * _RQ_T, 8 * _RQ_DTYPE
-_seq_rows = struct.Struct("<qq")
+_SEQ_ROWS_T = struct.Struct(f"<qq{_T_B - _NIN_B}xd")   # seq, rows, (n_in .. out_offset), t_publish
+_SEQ_ROWS = struct.Struct("<qq")
+# A SLOT row's hints after its state, in one write: seq, rows, key, token, t_publish
+assert SLOT.names == ("state", "seq", "rows", "key", "token", "t_publish")
+_ROW_HINTS, _ROW_HINTS_B = struct.Struct("<qqqQd"), SLOT.fields["seq"][1]
 
 
 def _input_names(flags: int, n_in: int, declared: Tuple[str, ...], seq: int):
@@ -791,7 +820,3 @@ def _input_names(flags: int, n_in: int, declared: Tuple[str, ...], seq: int):
                          f"{n_in}", seq)
     return tuple(declared[j] for j in index), index
 
-
-def _seq_rows_t(raw: bytes, at: int) -> Tuple[int, int, float]:
-    seq, rows = _seq_rows.unpack_from(raw, at)
-    return seq, rows, _F64.unpack_from(raw, _T_B)[0]

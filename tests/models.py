@@ -30,6 +30,13 @@ class Affine(nn.Module):
         return x * 2 + 1
 
 
+class Concat4(nn.Module):
+    """Four 1-D inputs, y = 2 * concat(a, b, c, d) + 1: every byte of every input reaches the answer."""
+
+    def forward(self, a, b, c, d):
+        return torch.cat([a, b, c, d], dim=1) * 2 + 1
+
+
 class Gated(nn.Module):
     def __init__(self, gate_name: str):
         super().__init__()
@@ -114,6 +121,10 @@ class Slow(nn.Module):
 
 def affine():
     return Affine()
+
+
+def concat4():
+    return Concat4()
 
 
 def gated(gate_name: str):

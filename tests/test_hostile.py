@@ -548,3 +548,62 @@ def test_the_header_fast_path_keeps_the_per_request_byte_bound(start_runtime):
                 peer.read_request(lim, 101, time.monotonic())    # the same header, more rows
         finally:
             peer.close()
+
+
+def _colliding_item_shapes():
+    """Two different sets of four 1-D item shapes with the same shape_key (a CRC32): the key is
+    linear in the message bits, so a dependency among the CRC contributions of 36 low bits of the
+    four lengths (found by Gaussian elimination over GF(2)) flips to another shape, same CRC."""
+    from simpledbi.layout import dtype_code, shape_key
+    code = [dtype_code(np.dtype(np.float32))] * 4
+    base = [512] * 4                       # flipping bits 0-8 keeps every length in 512..1023
+    key = lambda dims: shape_key(code, [(d,) for d in dims]) - 1  # the CRC itself  # noqa: E731
+    k0 = key(base)
+    basis = {}                             # pivot bit -> (crc contribution, mask of flipped bits)
+    for j in range(36):
+        dims = list(base)
+        dims[j // 9] ^= 1 << (j % 9)
+        v, mask = key(dims) ^ k0, 1 << j
+        while v:
+            top = v.bit_length() - 1
+            if top not in basis:
+                basis[top] = (v, mask)
+                break
+            v, mask = v ^ basis[top][0], mask ^ basis[top][1]
+        if not v:                          # a combination of flips that leaves the CRC as it was
+            other = [d ^ (((mask >> (9 * i)) & 0x1FF)) for i, d in enumerate(base)]
+            assert other != base and key(other) == k0
+            return base, other
+    raise AssertionError("no collision among 36 bits of 32-bit CRCs: impossible")
+
+
+def test_requests_whose_shape_keys_collide_are_never_batched_together(start_runtime):
+    """A client can choose item shapes whose batching key (a CRC) equals another client's:
+    the model process batches by the exact shapes, so both still get exactly their own answer.
+    (Batched together, the victim's rows would be read with the attacker's layout -- here the
+    batch fails; with equal byte counts, its answer would silently be wrong.)"""
+    victim_dims, attacker_dims = _colliding_item_shapes()
+    rt = start_runtime(cpu_model("cat4", models.concat4, max_batch_size=8, batching="fixed",
+                                 wait_time=0.2, isolate_errors=False))  # a mixed batch fails all
+    barrier, errors = threading.Barrier(2), []
+
+    def client(dims, value):
+        try:
+            with SharedModel("cat4", max_shape=[(1, d) for d in dims], namespace=rt.namespace) as m:
+                xs = [np.full((1, d), value, np.float32) for d in dims]
+                want = np.concatenate(xs, axis=1) * 2 + 1
+                for _ in range(10):
+                    barrier.wait(timeout=30)   # publish together: one batch window for both
+                    np.testing.assert_array_equal(m.forward(*xs, timeout=30), want)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+            barrier.abort()
+
+    threads = [threading.Thread(target=client, args=(victim_dims, 1.0)),
+               threading.Thread(target=client, args=(attacker_dims, 5.0))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not any(t.is_alive() for t in threads)
+    assert errors == [], errors[:1]
