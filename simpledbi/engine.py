@@ -347,8 +347,12 @@ class Engine:
             key = (k, g.rows, item, dt, nbytes)
             view = views.get(key)
             if view is None or k >= len(host) or view[0] is not host[k]:
+                old = host[k] if k < len(host) else None
                 buf = self._host_buf(self._sets[0], k, nbytes)
                 arr = buf[:nbytes].view(dt).reshape((g.rows, *item))
+                if buf is not old:   # outgrown: views of the old buffer would keep it alive
+                    for stale in [v for v in views if v[0] == k]:
+                        del views[stale]
                 if len(views) > 256:
                     views.clear()
                 view = views[key] = (buf, arr, memoryview(buf[:nbytes]))
@@ -707,7 +711,8 @@ class _Capturer:
 
     def close(self) -> None:
         self._todo.put(None)
-        self._thread.join(timeout=30)
+        self._thread.join(timeout=5)   # captures take well under a second each; past that, the
+        # process exits anyway (a daemon thread)
 
     def _run(self) -> None:
         engine = self._engine

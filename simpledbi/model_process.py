@@ -470,6 +470,12 @@ class ModelServer:
         peer.inflight += 1
         try:
             req = peer.read_request(self.limits, seq_hint, now)
+        except OSError:  # its segment cannot be read at all: nothing to answer into, drop it
+            peer.inflight -= 1
+            self.counters["bad_requests"] += 1
+            self._failed[slot] = (token, seq_hint)
+            self._drop_peer(slot)
+            return None
         except BadRequest as e:
             write_claim(self.claim_words, slot, token, e.seq, self.me, self.pid)
             peer.inflight -= 1

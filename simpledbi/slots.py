@@ -57,6 +57,7 @@ import logging
 import math
 import os
 import secrets
+import stat
 import struct
 import threading
 import time
@@ -504,8 +505,15 @@ class Peer:
         self.answered_seq = -1   # ... and for which request
         self._last = None        # the last request validated: its static header bytes and result
         self._heads = {}         # response header prefixes by output signature
-        self.fd = os.open(segment_path(namespace, model, slot, token), os.O_RDWR | os.O_CLOEXEC)
+        # The segment a client created, not what it may have put at its path since: no symlink
+        # (O_NOFOLLOW), no FIFO or device (no blocking open, then S_ISREG), no second name of
+        # another file (one link).
+        self.fd = os.open(segment_path(namespace, model, slot, token),
+                          os.O_RDWR | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOFOLLOW)
         try:
+            st = os.fstat(self.fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+                raise ValueError(f"slot {slot}'s segment is not a regular file of its own")
             self.ready = open_semaphore(sem_name(namespace, model, slot, token, "rdy"))
             self.done = open_semaphore(sem_name(namespace, model, slot, token, "don"))
         except BaseException:

@@ -607,3 +607,50 @@ def test_requests_whose_shape_keys_collide_are_never_batched_together(start_runt
         t.join(120)
     assert not any(t.is_alive() for t in threads)
     assert errors == [], errors[:1]
+
+
+def test_a_segment_swapped_for_a_fifo_is_refused_and_leaks_nothing(start_runtime):
+    """A client replaces its own segment file with a FIFO: the model process refuses to open it
+    (a pread on it raised inside the claim before, failing honest requests collected with it,
+    and its descriptor leaked), the honest client keeps its exact answers, no descriptor stays."""
+    from simpledbi.layout import segment_path
+    rt = start_runtime(cpu_model("affine", models.affine, max_batch_size=8))
+    pid = _pids(rt, "affine")[0]
+    with SharedModel("affine", max_shape=(1, 2), namespace=rt.namespace) as honest:
+        x = np.full((1, 2), 3.0, np.float32)
+        np.testing.assert_array_equal(honest.forward(x, timeout=10), x * 2 + 1)
+        before = len(os.listdir(f"/proc/{pid}/fd"))
+        for _ in range(10):
+            with SharedModel("affine", max_shape=(1, 2), namespace=rt.namespace) as m:
+                slot = _idle_slot(m)
+                path = segment_path(rt.namespace, "affine", slot.index, slot.token)
+                os.unlink(path)
+                os.mkfifo(path, 0o600)
+                with pytest.raises(TimeoutError):
+                    m.forward(np.ones((1, 2), np.float32), timeout=0.3)
+            np.testing.assert_array_equal(honest.forward(x, timeout=10), x * 2 + 1)
+        assert len(os.listdir(f"/proc/{pid}/fd")) <= before
+        assert _pids(rt, "affine")[0] == pid and honest.stats()["errors"] == 0
+
+
+def test_growing_requests_keep_one_staging_buffer_not_every_size_seen(start_runtime):
+    """Requests that keep growing (any client can send them): the model process's memory grows
+    with the largest, not with the sum of all sizes (a cache of staging views once kept every
+    outgrown buffer alive: 1.5 GB for 100 requests up to 25 MiB)."""
+    rt = start_runtime(cpu_model("affine", models.affine, max_batch_size=4))
+    pid = _pids(rt, "affine")[0]
+
+    def rss_mib():
+        with open(f"/proc/{pid}/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+
+    step = 50_000   # floats per row per request: 0.8 MB per request more each time
+    with SharedModel("affine", max_shape=(4, 40 * step), namespace=rt.namespace) as m:
+        np.testing.assert_array_equal(m.forward(np.ones((4, step), np.float32)), 3.0)
+        before = rss_mib()
+        for i in range(1, 41):          # 32 MB at the end, 656 MB summed
+            x = np.full((4, i * step), float(i), np.float32)
+            assert float(m.forward(x, timeout=30)[0, -1]) == 2.0 * i + 1
+        grown = rss_mib() - before
+    assert grown < 200, f"the model process grew {grown:.0f} MiB for requests of at most 32 MB"
+    assert _pids(rt, "affine")[0] == pid
