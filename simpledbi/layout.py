@@ -137,6 +137,15 @@ def _parts(max_slots: int, rows: int):
 _HDR_STATE = HEADER.fields["state"][1] // 8
 
 
+def words(arr: np.ndarray, fmt: str = "q") -> memoryview:
+    """A contiguous array's memory as one flat memoryview (int64 words by default; "B" bytes,
+    "Q" unsigned, "d" float64): an element read or written as a plain Python number costs a
+    fraction of a numpy scalar. Release it before the segment under it closes."""
+    assert arr.flags.c_contiguous  # else reshape would copy: writes would go nowhere
+    raw = memoryview(arr.reshape(-1).view(np.uint8))
+    return raw if fmt == "B" else raw.cast(fmt)
+
+
 class ControlBlock:
     """Views into one model's control file. Clients attach it read-only."""
 
@@ -152,7 +161,7 @@ class ControlBlock:
             off += nbytes
         self.hdr = self.header.reshape(())   # 0-d record: hdr["state"] reads and writes in place
         # the header's int64 words: ``state`` is read on every call, as a plain int
-        self._hdr_words = memoryview(self.header.view(np.uint8).reshape(-1)).cast("q")
+        self._hdr_words = words(self.header)
 
     @staticmethod
     def size(max_slots: int, model_num: int) -> int:
@@ -275,7 +284,7 @@ class SlotTable:
         self.state, self.seq, self.nrows = self.rows["state"], self.rows["seq"], self.rows["rows"]
         self.key, self.token, self.t_publish = self.rows["key"], self.rows["token"], self.rows["t_publish"]
         # the same rows as raw bytes, for struct.pack_into (a client writes its row in one call)
-        self.raw = memoryview(self.rows.view(np.uint8).reshape(-1))
+        self.raw = words(self.rows, "B")
 
     @staticmethod
     def size(max_slots: int) -> int:

@@ -39,7 +39,7 @@ from .layout import (
     LAT_BOUNDS, INST_DEAD, INST_READY, MAX_IO, MAX_NDIM, PUBLISHED, IDLE, RING,
     ST_BAD_REQUEST, ST_INTERNAL, ST_MODEL_ERROR, ST_OK, ST_STOPPED, STOPPING, BROKEN, DRAINING, ControlBlock,
     HEADER, INSTANCE, SlotTable,
-    doorbell_name, dtype_code,
+    doorbell_name, dtype_code, words,
 )
 from .logs import install_child_handler
 from .shm import open_semaphore
@@ -179,15 +179,15 @@ class ModelServer:
         self.counters = self.ctl.counters[self.me]
         # int64 words of this instance's COUNTERS record, header and INSTANCE record, and its
         # batch ring as bytes: the hot loop reads and writes them as plain ints and floats
-        self.count_words = _words(self.ctl.counters[self.me:self.me + 1])
-        self._hdr_words = _words(self.ctl.header)
-        self._inst_words = _words(self.ctl.all_instances[self.me:self.me + 1])
-        self._ring = _words(self.ctl.ring[self.me], "B")
+        self.count_words = words(self.ctl.counters[self.me:self.me + 1])
+        self._hdr_words = words(self.ctl.header)
+        self._inst_words = words(self.ctl.all_instances[self.me:self.me + 1])
+        self._ring = words(self.ctl.ring[self.me], "B")
         hist = self.ctl.hist[self.me]
         # int64 memoryviews: an element += 1 costs a fraction of a numpy scalar's
         self.h_latency, self.h_queue, self.h_compute = (
-            memoryview(hist[k]).cast("B").cast("q") for k in (H_LATENCY, H_QUEUE, H_COMPUTE))
-        self.h_batch = memoryview(self.ctl.batch_hist[self.me]).cast("B").cast("q")
+            words(hist[k]) for k in (H_LATENCY, H_QUEUE, H_COMPUTE))
+        self.h_batch = words(self.ctl.batch_hist[self.me])
         self.fatal = False
         self._rescan = True       # pending requests may be left from the last scan
         self._first_seen: Dict[int, tuple] = {}   # slot -> (seq, when first seen pending)
@@ -830,14 +830,6 @@ class ModelServer:
             late += t_end - t_pub > target
         if late:
             c[_C_OVER] += late
-
-
-def _words(arr: np.ndarray, fmt: str = "q") -> memoryview:
-    """A contiguous array's memory as a flat memoryview (int64 words by default): reading or
-    writing an element costs a fraction of what a numpy scalar does."""
-    assert arr.flags.c_contiguous  # else reshape would copy: writes would go nowhere
-    raw = memoryview(arr.reshape(-1).view(np.uint8))
-    return raw if fmt == "B" else raw.cast(fmt)
 
 
 def _check_outputs(outputs, total: int) -> None:

@@ -72,7 +72,7 @@ from .layout import (
     CLAIM, DATA_OFFSET, DTYPES, REQ_WORD, RESP_WORD, ERR_BYTES, ERR_OFF, FREE, IDLE, MAGIC, MAX_DIM, MAX_IO, MAX_NDIM,
     NAMES_BYTES, NAMES_OFF, NEW, PUBLISHED, REQ_OFF, REQUEST, RESP_OFF, RESP_SEQ_OFF, RESPONSE, SLOT, ST_BAD_REQUEST,
     ST_OK, ControlBlock, SlotTable, align, code_dtype, dtype_code, lock_path, segment_path, sem_name,
-    shape_key,
+    shape_key, words,
 )
 from .shm import Segment, create_semaphore, open_semaphore, pid_alive, unlink_file, unlink_sem
 
@@ -770,13 +770,13 @@ def claim_words(ctl: ControlBlock, fmt: str = "q") -> memoryview:
     """The claims table as one flat memoryview of int64 words (``fmt`` "Q": unsigned), slot i's
     at ``i * CLAIM_WORDS``: fields read and written as plain ints, a fraction of a numpy scalar's
     cost. Release it before the control block closes."""
-    return memoryview(ctl.claims.view(np.uint8).reshape(-1)).cast(fmt)
+    return words(ctl.claims, fmt)
 
 
 def table_words(table: SlotTable, fmt: str = "q") -> memoryview:
     """The slot table's hints as one flat memoryview of 8-byte words (``fmt``: "q", "Q" for the
     token, "d" for t_publish), slot i's at ``i * SLOT_WORDS``. Release it before the table closes."""
-    return memoryview(table.rows.view(np.uint8).reshape(-1)).cast(fmt)
+    return words(table.rows, fmt)
 
 
 _KEYS: dict = {}   # (dtypes, item shapes) -> shape_key, in a model process
