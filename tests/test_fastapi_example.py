@@ -72,7 +72,11 @@ def test_fastapi_example_batches_across_web_workers_over_http():
     try:
         _wait_lines(serve, "ready")
         web = subprocess.Popen([sys.executable, "-m", "uvicorn", "examples.fastapi_app.app:app",
-                                "--workers", str(WORKERS), "--host", "127.0.0.1", "--port", str(port)],
+                                "--workers", str(WORKERS), "--host", "127.0.0.1", "--port", str(port),
+                                # idle pooled connections stay open for the whole test: uvicorn's 5 s
+                                # default could close one as the client reuses it (httpx.ReadError
+                                # on a loaded CI machine), which is not what this test is about
+                                "--timeout-keep-alive", "120"],
                                cwd=ROOT, env=env, text=True, stdout=subprocess.DEVNULL,
                                stderr=subprocess.PIPE)
         _wait_lines(web, "Application startup complete", WORKERS)
