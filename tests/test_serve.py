@@ -313,7 +313,11 @@ def test_forward_async_batches_concurrent_coroutines_and_never_blocks_the_loop(g
             xs = [np.full((1, 3), i, np.float32) for i in range(n)]
             # (had forward_async blocked the loop, the blocked call would have stopped it above)
             calls = [asyncio.ensure_future(client.forward_async(x, timeout=60)) for x in xs]
-            await asyncio.sleep(0)
+            # open the gate only once all 24 are published (they publish from pool threads)
+            deadline = time.monotonic() + 60
+            while simpledbi.inspect(namespace=rt.namespace).models[0].queued < n + 1:
+                assert time.monotonic() < deadline, "the coroutines never published"
+                await asyncio.sleep(0.01)
             gate.open()
             ys = await asyncio.gather(*calls)
             await blocker
