@@ -794,7 +794,7 @@ _CL_TOKEN, _CL_SEQ, _CL_INST, _CL_PID, _CL_DONE = (CLAIM.fields[n][1] // 8 for n
 CLAIM_WORDS, SLOT_WORDS = CLAIM.itemsize // 8, SLOT.itemsize // 8
 #: word indices of the fields of a CLAIM / SLOT row (claim_words, table_words)
 CL_TOKEN, CL_SEQ, CL_DONE = _CL_TOKEN, _CL_SEQ, _CL_DONE
-T_STATE, T_SEQ, T_ROWS, T_KEY, T_TOKEN, T_PUBLISH = (SLOT.fields[n][1] // 8 for n in SLOT.names)
+T_SEQ, T_ROWS, T_KEY, T_TOKEN, T_PUBLISH = (SLOT.fields[n][1] // 8 for n in SLOT.names)
 (_RS_STATUS, _RS_NOUT, _RS_STRUCT, _RS_NAMESLEN, _RS_ERRLEN, _RS_CLAIMER, _RS_ROWS, _RS_NEEDED,
  _RS_TCLOSE, _RS_TDONE, _RS_DTYPE, _RS_NDIM, _RS_OFFSET, _RS_DIMS) = (RESP_WORD[n] for n in RESPONSE.names)
 assert NAMES_OFF == RESP_OFF + 8 * _RESP_WORDS
@@ -806,8 +806,8 @@ assert (_RQ_SEQ, _RQ_ROWS, _RQ_NIN, _RQ_FLAGS, _RQ_OUT, _RQ_T, _RQ_DTYPE) == (3,
 _SEQ_B, _NIN_B, _T_B, _STATIC_B = 8 * _RQ_SEQ, 8 * _RQ_NIN, 8 * _RQ_T, 8 * _RQ_DTYPE
 _SEQ_ROWS_T = struct.Struct(f"<qq{_T_B - _NIN_B}xd")   # seq, rows, (n_in .. out_offset), t_publish
 _SEQ_ROWS = struct.Struct("<qq")
-# A SLOT row's hints after its state, in one write: seq, rows, key, token, t_publish
-assert SLOT.names == ("state", "seq", "rows", "key", "token", "t_publish")
+# A SLOT row's hints in one write: seq, rows, key, token, t_publish (its state is written after)
+assert SLOT.names == ("seq", "rows", "key", "token", "t_publish")
 _ROW_HINTS, _ROW_HINTS_B = struct.Struct("<qqqQd"), SLOT.fields["seq"][1]
 
 

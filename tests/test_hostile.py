@@ -17,7 +17,7 @@ import posix_ipc
 import pytest
 
 from simpledbi import ModelError, ModelProcessDied, RuntimeStopped, SharedModel
-from simpledbi.layout import FREE, PUBLISHED, REQUEST, STOPPING, BROKEN
+from simpledbi.layout import FREE, PUBLISHED, REQUEST, SLOT, STOPPING, BROKEN
 from simpledbi import shm
 
 from . import models
@@ -227,7 +227,10 @@ def test_fuzz_a_client_scribbling_on_its_slot_and_the_table(start_runtime):
     pids = _pids(rt, "affine")
     honest = SharedModel("affine", max_shape=(2, 3), namespace=rt.namespace, poll_interval=0.05)
     rng = np.random.default_rng(7)
-    table_words = np.frombuffer(rt.tables["affine"].seg.buf, np.int64)
+    table = rt.tables["affine"]
+    # the first four slots' hints: their rows and their states (a contiguous column of its own)
+    row_words = np.frombuffer(table.seg.buf, np.int64, count=4 * SLOT.itemsize // 8)
+    table_words = [(row_words, j) for j in range(len(row_words))] + [(table.state, j) for j in range(4)]
     outcomes = {}
     hostile = SharedModel("affine", max_shape=(2, 3), namespace=rt.namespace, poll_interval=0.05)
     n = 0
@@ -241,7 +244,8 @@ def test_fuzz_a_client_scribbling_on_its_slot_and_the_table(start_runtime):
             if rng.random() < 0.6:
                 words[int(rng.integers(0, len(words)))] = value
             else:
-                table_words[int(rng.integers(0, min(len(table_words), 4 * 6)))] = value
+                where, j = table_words[int(rng.integers(0, len(table_words)))]
+                where[j] = value
         slot._shapes = [(-1,)] * len(slot._shapes)  # keep our corrupt dims only if shapes repeat
         if rng.random() < 0.5:
             slot._shapes = [x.shape]  # the client will not rewrite the (maybe corrupted) dims
