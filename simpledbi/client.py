@@ -471,15 +471,24 @@ class SharedModel:
                 self._raise_runtime_state(ctl)
             return
         if slot.ready.value == 0:
-            # Taken, but no claim recorded: either it is being recorded right now (microseconds),
-            # or the model process died between taking and recording it.
+            # Taken, but no claim of ours recorded: it is being recorded right now (microseconds),
+            # or the model process died between taking and recording it -- or a claim of a
+            # request another client forged under this slot index overwrote the record. Only a
+            # death the supervisor has seen since this request was published makes it lost.
             now = time.monotonic()
             if not slot.lost_at:
                 slot.lost_at = now
             elif now - slot.lost_at >= self.poll_interval:
-                slot.stale_seq = seq
-                raise ModelProcessDied(f"model {self.name!r}: the model process that took this "
-                                       f"request stopped before recording it")
+                if ctl.deaths != slot.deaths_at_publish:
+                    slot.stale_seq = seq
+                    raise ModelProcessDied(f"model {self.name!r}: the model process that took this "
+                                           f"request stopped before recording it")
+                other = slot.answered_under_another_seq(seq)
+                if other is not None:  # my header was unreadable: answered under my row's seq
+                    status, text, _ = slot.response()
+                    slot.mark_idle()
+                    self._raise_status(status or ST_BAD_REQUEST, text)
+                slot.lost_at = now   # someone alive holds it: look again after another interval
             return
         slot.lost_at = 0.0
         slot.repair_hint(seq)

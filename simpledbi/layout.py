@@ -84,7 +84,8 @@ HEADER = np.dtype([
     ("magic", "<u8"), ("version", "<i8"), ("state", "<i8"), ("max_slots", "<i8"),
     ("model_num", "<i8"), ("max_batch", "<i8"), ("wait_time", "<f8"), ("supervisor_pid", "<i8"),
     ("broken_code", "<i8"), ("msg_len", "<i8"), ("bank", "<i8"), ("spec_len", "<i8"),
-    ("reserved", "<i8", (4,)),
+    ("deaths", "<i8"),      # model processes of this model found dead so far (by the supervisor)
+    ("reserved", "<i8", (3,)),
 ])
 # Instance rows come in two banks of model_num: a rolling reload starts the new processes in the
 # other bank (while the current ones serve), then switches ``bank`` and retires the old ones.
@@ -134,7 +135,7 @@ def _parts(max_slots: int, rows: int):
     }
 
 
-_HDR_STATE = HEADER.fields["state"][1] // 8
+_HDR_STATE, _HDR_DEATHS = HEADER.fields["state"][1] // 8, HEADER.fields["deaths"][1] // 8
 
 
 def words(arr: np.ndarray, fmt: str = "q") -> memoryview:
@@ -221,6 +222,11 @@ class ControlBlock:
     @property
     def state(self) -> int:
         return self._hdr_words[_HDR_STATE]
+
+    @property
+    def deaths(self) -> int:
+        """How many of the model's processes the supervisor has found dead so far."""
+        return self._hdr_words[_HDR_DEATHS]
 
     @property
     def state_name(self) -> str:

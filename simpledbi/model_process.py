@@ -20,6 +20,7 @@ import faulthandler
 import gc
 import logging
 import os
+import re
 import signal
 import struct
 import time
@@ -49,6 +50,8 @@ from .slots import (
 )
 
 logger = logging.getLogger(__name__)
+_I64_MAX = 2**63 - 1
+_SEGMENT_RE = re.compile(r"^(\d+)\.([0-9a-f]{16})$")   # <model>.s<slot>.<token>, after the prefix
 assert B_FIELDS == ("t_close", "rows", "requests", "queue_wait", "gather", "h2d", "forward", "d2h",
                     "scatter", "runtime", "t_end")  # the order _account writes a record in
 _C_REQUESTS, _C_BATCHES, _C_ROWS, _C_HEAD, _C_OVER = (
@@ -170,6 +173,14 @@ class ModelServer:
         self._open: Dict[int, Request] = {}    # id -> every request claimed and not answered yet
         self.retired: set = set()              # replaced peers that still owe answers
         self._failed: Dict[int, Tuple[int, int]] = {}  # slot -> (token, seq) whose claim failed
+        # NOTE [hidden requests]: slots whose request waits unclaimed although their table row
+        # does not say so -- another client rewrote the row. Found through the slots' own ``rdy``
+        # semaphores, which only their owners post (see _sweep).
+        self._hidden: Dict[int, int] = {}      # slot -> token of the peer holding the request
+        self._suspect = False     # a ring found nothing to claim since the last directory look
+        self._accounting_failed = False
+        self._last_sweep = 0.0
+        self._hidden_seen = False   # the last look found hidden requests
         self.claim_seq, self.claim_token = self.ctl.claims["seq"], self.ctl.claims["token"]
         self.claim_done = self.ctl.claims["done"]
         self.claim_words = claim_words(self.ctl)
@@ -351,16 +362,49 @@ class ModelServer:
         if os.getppid() != self.spec.parent_pid:
             logger.warning("%s parent died; exiting", self.tag)
             return False
-        state, token = self.table.state, self.table.token
         for slot, peer in list(self.peers.items()):
-            if (state[slot] == 0 or token[slot] != peer.token) and not peer.inflight:
+            # Gone when its segment is: its client detached, or the reaper freed it. (Not by its
+            # table row: any client can write that, and would make me forget the slot.)
+            if not peer.inflight and not peer.linked():
                 self._drop_peer(slot)
+        self._sweep(discover=self._suspect)
+        self._suspect = False
         self._failed.clear()  # a failed claim is not retried before a ring or this, no longer
         self._rescan = True
         seen, t = self._first_seen, self.table
         for s in [s for s, (q, _) in seen.items() if t.state[s] != PUBLISHED or t.seq[s] != q]:
             del seen[s]
         return True
+
+    def _sweep(self, discover: bool = False) -> None:
+        """NOTE [hidden requests]: a request is findable by its table row only, and any client
+        can rewrite any row -- over and over, faster than the row's owner repairs it. So, at least
+        once per poll interval (and at once, at most every 10 ms, when a ring found nothing):
+        every slot I have a handle on whose ``rdy`` is posted (a request nobody claimed) while
+        its row hides it is claimed through that handle, and when a ring found nothing
+        (``discover``) the namespace directory is listed for slots I have no handle on yet.
+        A hidden request then waits at most about a poll interval, as a damaged hint may."""
+        self._last_sweep = time.monotonic()
+        if self.retiring:
+            return
+        if discover:
+            prefix = f"{self.cfg.name}.s"
+            try:
+                names = os.listdir(os.path.dirname(self.table.seg.path))
+            except OSError:
+                names = []
+            for entry in names:
+                m = _SEGMENT_RE.match(entry[len(prefix):]) if entry.startswith(prefix) else None
+                if m is None:
+                    continue
+                slot, token = int(m.group(1)), int(m.group(2), 16)
+                if slot < self.ctl.max_slots and slot not in self.peers:
+                    self._peer(slot, token)
+        tw_u, state = self._tw_u, self.table.state
+        for slot, peer in self.peers.items():
+            if peer.waiting() and not (state[slot] == PUBLISHED and tw_u[slot * SLOT_WORDS + T_TOKEN] == peer.token):
+                self._hidden[slot] = peer.token
+        self._hidden_seen = bool(self._hidden)   # under attack: look again at every empty ring
 
     # ------------------------------------------------------------ claiming
     def _drain_doorbell(self) -> int:
@@ -419,12 +463,22 @@ class ModelServer:
         but not read yet (about to send again)."""
         if self.retiring:
             return [], 0   # claim nothing new; and no one may add to what is left
-        t = self.table
-        states = t.state
+        states = self.table.state
         pub = (states == PUBLISHED).nonzero()[0]
         may = int(np.count_nonzero(states == IDLE))
-        if not pub.size:
-            return [], may
+        out, soon = self._scan_rows(pub) if pub.size else ([], 0)
+        if self._hidden:   # NOTE [hidden requests]
+            now, seen, listed = time.monotonic(), self._first_seen, set(out)
+            for s in self._hidden:
+                if s not in listed:
+                    if s not in seen:
+                        seen[s] = (-1, now)
+                    out.append(s)
+        return out, may + soon
+
+    def _scan_rows(self, pub: np.ndarray) -> Tuple[List[int], int]:
+        """_scan's look at the PUBLISHED rows ``pub``: (unclaimed ones, answered ones)."""
+        t = self.table
         failed, seen, now = self._failed, self._first_seen, time.monotonic()
         soon = 0
         if pub.size <= 16:  # the common case: a few plain ints beat a dozen vector operations
@@ -444,7 +498,7 @@ class ModelServer:
                 if first is None or first[0] != q:
                     seen[s] = (q, now)
                 out.append(s)
-            return out, may + soon
+            return out, soon
         seqs, toks = t.seq[pub], t.token[pub]
         same = self.claim_token[pub] == toks
         soon = int(np.count_nonzero(same & (self.claim_done[pub] == seqs)))
@@ -458,12 +512,18 @@ class ModelServer:
             first = seen.get(s)
             if first is None or first[0] != q:
                 seen[s] = (q, now)
-        return out, may + soon
+        return out, soon
 
     def _claim(self, slot: int, now: float) -> Optional[Request]:
         row = slot * SLOT_WORDS
         token, seq_hint = self._tw_u[row + T_TOKEN], self._tw[row + T_SEQ]
-        peer = self._peer(slot, token)
+        hidden = self._hidden.pop(slot, None) if self._hidden else None
+        if hidden is not None:   # NOTE [hidden requests]: the handle I have, not what the row says
+            token, peer = hidden, self.peers.get(slot)
+            if peer is not None and peer.token != token:
+                peer = None
+        else:
+            peer = self._peer(slot, token)
         if peer is None or not peer.try_claim():
             self._failed[slot] = (token, seq_hint)  # this attach's request: not again this interval
             return None
@@ -586,6 +646,14 @@ class ModelServer:
         if not rang and not self._rescan and not self.deferred:
             return []  # every publish rings the doorbell after its row is written: nothing new
         pending, may = self._scan()
+        if not pending and not self.deferred:
+            # Woken by a ring and nothing to claim: a peer took it, it was withdrawn -- or its row
+            # was rewritten by someone else (NOTE [hidden requests]). Look through my handles now.
+            self._suspect = True
+            if self._hidden_seen or time.monotonic() - self._last_sweep > 0.01:
+                self._sweep()
+                if self._hidden:
+                    pending, may = self._scan()
         batch: List[Request] = []
         c = _Collecting(limit=self.max_batch)
         self._fill(batch, c, pending)
@@ -684,11 +752,16 @@ class ModelServer:
 
         def settle():  # after the answers are written, before anyone is woken (see _answer)
             t_end = time.monotonic()
-            if error is None:  # what this batch cost, for the batching policy
-                tm = result.times
-                self.costs.observe(batch[0].key, total, tm.h2d + tm.forward + tm.d2h
-                                   if self.engine.cuda else t_end - t_close)
-            self._account(batch, total, t_close, t_scatter, t_end, result, error is not None)
+            try:
+                if error is None:  # what this batch cost, for the batching policy
+                    tm = result.times
+                    self.costs.observe(batch[0].key, total, tm.h2d + tm.forward + tm.d2h
+                                       if self.engine.cuda else t_end - t_close)
+                self._account(batch, total, t_close, t_scatter, t_end, result, error is not None)
+            except Exception:  # noqa: BLE001 - bookkeeping never fails a batch, nor the next one
+                if not self._accounting_failed:
+                    self._accounting_failed = True
+                    logger.exception("%s accounting a batch failed (logged once)", self.tag)
 
         if error is not None:
             self._on_failure(batch, error, t_close)
@@ -818,16 +891,21 @@ class ModelServer:
         self.h_batch[total if total <= BATCH_HIST_MAX else 0] += 1
         h_lat, h_queue, h_compute = self.h_latency, self.h_queue, self.h_compute
         h_compute[bisect_left(LAT_BOUNDS, t_end - t_close)] += 1
-        h_compute[H_SUM] += int((t_end - t_close) * 1e9)
+        lat_ns = queue_ns = 0
         late, target = 0, self._late_after
         for r in batch:
             # t_publish is the client's word: clamp it, a forged one only skews its own entry
             t_pub = min(max(r.t_publish, t_close - 3600.0), t_close)
             h_lat[bisect_left(LAT_BOUNDS, t_end - t_pub)] += 1
-            h_lat[H_SUM] += int((t_end - t_pub) * 1e9)
+            lat_ns += int((t_end - t_pub) * 1e9)
             h_queue[bisect_left(LAT_BOUNDS, t_close - t_pub)] += 1
-            h_queue[H_SUM] += int((t_close - t_pub) * 1e9)
+            queue_ns += int((t_close - t_pub) * 1e9)
             late += t_end - t_pub > target
+        # The sums saturate: forged publish times (up to an hour each) must not overflow them,
+        # nor make this accounting raise for every batch after.
+        for h, ns in ((h_compute, int((t_end - t_close) * 1e9)), (h_lat, lat_ns), (h_queue, queue_ns)):
+            total_ns = h[H_SUM] + ns
+            h[H_SUM] = total_ns if total_ns < _I64_MAX else _I64_MAX
         if late:
             c[_C_OVER] += late
 

@@ -77,11 +77,13 @@ def read(name: str, shm_dir: str = SHM_DIR) -> Optional[Registration]:
 def resolve(name: str, shm_dir: str = SHM_DIR) -> Optional[Registration]:
     """The live runtime called ``name``, or None."""
     reg = read(name, shm_dir)
-    if reg is None or not pid_alive(reg.pid):
-        return None
-    if not os.path.isdir(os.path.join(shm_dir, reg.namespace)):
-        return None
-    return reg
+    return reg if reg is not None and _live(reg, shm_dir) else None
+
+
+def _live(reg: Registration, shm_dir: str) -> bool:
+    """A registration of a runtime that is running: its process is alive and its namespace
+    directory exists (a rewritten file naming any live pid does not hold the name)."""
+    return pid_alive(reg.pid) and os.path.isdir(os.path.join(shm_dir, reg.namespace))
 
 
 def register(name: str, namespace: str, models: Sequence[str], shm_dir: str = SHM_DIR) -> str:
@@ -102,7 +104,7 @@ def register(name: str, namespace: str, models: Sequence[str], shm_dir: str = SH
                 raise PermissionError(errno.EACCES, f"the runtime name {name!r} is taken by "
                                       f"another user (uid {owner}, {path})")
             old = read(name, shm_dir)
-            if old is not None and pid_alive(old.pid):
+            if old is not None and _live(old, shm_dir):
                 raise RuntimeError(f"a simpledbi runtime named {name!r} is already running "
                                    f"(pid {old.pid}); stop it or choose another name")
             if old is None and _young(path):

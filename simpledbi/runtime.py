@@ -329,6 +329,8 @@ class Runtime:
         m.exit_handled = True
         m.proc.join(1)
         name, ctl = m.cfg.name, self.ctls[m.cfg.name]
+        ctl.hdr["deaths"] += 1   # before its callers are woken: a request taken and not yet
+        # recorded may now be reported lost (client._check_alive)
         if ctl.state == STOPPING:
             return
         text = m.describe() + (" while loading" if m.loading else "")

@@ -101,6 +101,7 @@ class ClientSlot:
         self.interrupted = False    # close() from another thread while a call waits here
         self._sem_lock = threading.Lock()  # wake() from another thread vs. detach() closing ``done``
         self.lost_at = 0.0          # since when the request is taken but no claim is visible
+        self.deaths_at_publish = 0  # the model's death count (ControlBlock.deaths) at publish
         try:
             self._create(max_shapes, dtypes)
         except BaseException:
@@ -200,6 +201,7 @@ class ClientSlot:
         self._key = key
         self.seq += 1
         self.lost_at = 0.0
+        self.deaths_at_publish = self.ctl.deaths
         seq, now = self.seq, time.monotonic()
         buf = self.seg.buf
         _SEQ_ROWS.pack_into(buf, REQ_OFF + _SEQ_B, seq, rows)
@@ -260,6 +262,15 @@ class ClientSlot:
         c = self.ctl.claims[self.index]
         if int(c["token"]) == self.token and int(c["seq"]) == seq:
             return int(c["instance"]), int(c["pid"])
+        return None
+
+    def answered_under_another_seq(self, seq: int) -> Optional[int]:
+        """The seq a model process claimed and answered under this slot's token in place of
+        ``seq`` (it could not read this request's header, so it used the table row's), if any."""
+        c = self.ctl.claims[self.index]
+        other = int(c["seq"])
+        if int(c["token"]) == self.token and other != seq and int(c["done"]) == other and self.answered(other):
+            return other
         return None
 
     def repair_hint(self, seq: int) -> None:
@@ -501,6 +512,7 @@ class Peer:
         self.warned = False
         self.inflight = 0        # requests claimed through this peer and not answered yet
         self.size = 0            # the segment's size when last validated (or extended by us)
+        self.allocated = 0       # ... and the bytes of memory behind it (st_blocks), then
         self.answered_at = 0.0   # when this process last woke the client (time.monotonic) ...
         self.answered_seq = -1   # ... and for which request
         self._last = None        # the last request validated: its static header bytes and result
@@ -527,6 +539,19 @@ class Peer:
         except posix_ipc.BusyError:
             return False
 
+    def waiting(self) -> bool:
+        """Is a request of this slot published and claimed by nobody? (``rdy`` is posted: only
+        the slot's owner posts it, whatever anyone wrote into the table.)"""
+        return self.ready.value > 0
+
+    def linked(self) -> bool:
+        """Does the segment still have its name? It loses it when its client detaches or the
+        runtime reaps the slot of a dead client."""
+        try:
+            return os.fstat(self.fd).st_nlink > 0
+        except OSError:
+            return False
+
     def read_request(self, limits: Limits, seq_hint: int, now: float) -> Request:
         """Read the request header into private memory and validate every field (raises
         BadRequest with a message for the client)."""
@@ -545,7 +570,7 @@ class Peer:
             # the next full validation, which drops this cache first).
             if rows == req.rows and limits is last[5]:
                 nbytes = req.nbytes
-            elif 1 <= rows <= limits.max_batch and \
+            elif 1 <= rows <= limits.max_batch and rows * last[6] <= self.allocated and \
                     all(off + rows * per_row <= self.size and rows * per_row <= limits.max_request_bytes
                         for off, per_row in zip(req.offsets, last[4])):
                 nbytes = tuple(rows * n for n in last[4])
@@ -557,8 +582,8 @@ class Peer:
                 return Request(self, seq, rows, req.items, req.dtypes, req.offsets, nbytes,
                                req.out_offset, req.key, t, names=req.names, kind=req.kind)
         req = self._validate(raw, limits, seq_hint, now)
-        self._last = (raw[_STATIC_B:], raw[:_SEQ_B], raw[_NIN_B:_T_B], req,
-                      tuple(n // req.rows for n in req.nbytes), limits)
+        per_row = tuple(n // req.rows for n in req.nbytes)
+        self._last = (raw[_STATIC_B:], raw[:_SEQ_B], raw[_NIN_B:_T_B], req, per_row, limits, sum(per_row))
         return req
 
     def _validate(self, raw: bytes, limits: Limits, seq_hint: int, now: float) -> Request:
@@ -577,7 +602,9 @@ class Peer:
         names, index = _input_names(flags, n_in, limits.names, seq)
         if names is None and limits.n_inputs is not None and n_in != limits.n_inputs:
             raise BadRequest(f"the model takes {limits.n_inputs} input(s), got {n_in}", seq)
-        size = self.size = os.fstat(self.fd).st_size
+        st = os.fstat(self.fd)
+        size = self.size = st.st_size
+        self.allocated = st.st_blocks * 512
         out_offset = w[_RQ_OUT]
         if not (DATA_OFFSET <= out_offset <= size and out_offset % 64 == 0):
             raise BadRequest(f"output offset {out_offset} is outside the slot's segment of {size} bytes", seq)
@@ -608,6 +635,10 @@ class Peer:
             dtypes.append(dt)
             offsets.append(off)
             nbytes.append(n)
+        if sum(nbytes) > self.allocated:
+            # A file of holes: the client pays nothing, my staging buffer would pay it all.
+            raise BadRequest(f"the inputs take {sum(nbytes)} bytes but the slot's segment holds only "
+                             f"{self.allocated} bytes of memory (unwritten pages)", seq)
         t = _F64.unpack_from(raw, _RQ_T * 8)[0]
         if not (math.isfinite(t) and now - limits.max_age <= t <= now):
             t = now
@@ -707,7 +738,10 @@ class Peer:
         if self.mapping is None:
             import mmap
             try:
-                size = os.fstat(self.fd).st_size
+                st = os.fstat(self.fd)
+                size = st.st_size
+                if st.st_blocks * 512 < size // 2:
+                    return None   # mostly holes: page-locking it would allocate them, at my cost
                 m = mmap.mmap(self.fd, size)
                 address = np.frombuffer(m, np.uint8, count=1).ctypes.data
             except (OSError, ValueError):

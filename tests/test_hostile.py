@@ -658,3 +658,145 @@ def test_growing_requests_keep_one_staging_buffer_not_every_size_seen(start_runt
         grown = rss_mib() - before
     assert grown < 200, f"the model process grew {grown:.0f} MiB for requests of at most 32 MB"
     assert _pids(rt, "affine")[0] == pid
+
+
+# A client that spins over the table turning every other client's PUBLISHED row back to IDLE
+# (table rows are hints any client can write), until its stdin closes.
+_HIDE_ROWS = r"""
+import sys, threading, numpy as np
+from simpledbi import SharedModel
+m = SharedModel("affine", max_shape=(1, 2), namespace=sys.argv[1])
+state = m._h.table.state
+done = threading.Event()
+threading.Thread(target=lambda: (sys.stdin.read(), done.set()), daemon=True).start()
+print("RUNNING", flush=True)
+hidden = 0
+while not done.is_set():
+    for i in np.flatnonzero(state == 2).tolist():   # PUBLISHED
+        state[i] = 1                                  # IDLE
+        hidden += 1
+print(hidden, flush=True)
+m.close()
+"""
+
+
+@pytest.mark.timeout(180)
+def test_rows_hidden_over_and_over_by_another_client_do_not_starve_their_owners(start_runtime):
+    """NOTE [hidden requests]: a request is found by its table row, which another client can
+    rewrite faster than its owner repairs it. Model processes also look at the slots' own rdy
+    semaphores: every call is answered, exactly, long before its timeout."""
+    rt = start_runtime(cpu_model("affine", models.affine, max_batch_size=4, max_clients=16))
+    pids = _pids(rt, "affine")
+    p = subprocess.Popen([sys.executable, "-c", _HIDE_ROWS, rt.namespace], cwd=ROOT,
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "RUNNING"
+        # default client poll (0.5 s): before, its hint repairs lost the race -- calls took
+        # seconds each and timed out
+        with SharedModel("affine", max_shape=(2, 2), namespace=rt.namespace) as honest:
+            rng = np.random.default_rng(3)
+            for _ in range(30):
+                x = rng.standard_normal((int(rng.integers(1, 3)), 2)).astype(np.float32)
+                np.testing.assert_array_equal(honest.forward(x, timeout=5), x * 2 + 1)
+    finally:
+        p.stdin.close()
+        out = p.stdout.read()
+        p.wait(60)
+    assert int(out.split()[-1]) > 0, "the attacker never hid a row: the test proves nothing"
+    assert _pids(rt, "affine") == pids
+
+
+@pytest.mark.timeout(120)
+def test_a_request_over_unwritten_pages_is_refused_before_it_costs_the_model_memory(start_runtime, monkeypatch):
+    """A segment of holes costs its client nothing; staging its 'inputs' would cost the model
+    process their full size. Such a request gets a ValueError; the model's memory stays put."""
+    from simpledbi import shm, slots
+    rt = start_runtime(cpu_model("affine", models.affine, max_batch_size=4))
+    pid = _pids(rt, "affine")[0]
+    width = 32 * 2**20   # 128 MiB of float32 in one row
+
+    def peak_rss_mib():
+        with open(f"/proc/{pid}/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) / 1024
+
+    before = peak_rss_mib()
+    with SharedModel("affine", max_shape=(1, width), namespace=rt.namespace) as liar:
+        monkeypatch.setattr(shm.Segment, "reserve", lambda self, *a, **k: None)   # no fallocate
+        monkeypatch.setattr(slots.np, "copyto", lambda *a, **k: None)            # nothing written
+        x = np.zeros((1, width), np.float32)
+        with pytest.raises(ValueError, match="holds only .* bytes of memory"):
+            liar.forward(x, timeout=30)
+        monkeypatch.undo()
+    assert peak_rss_mib() - before < 64, (before, peak_rss_mib())
+    _honest(rt, "affine")
+
+
+@pytest.mark.timeout(120)
+def test_latency_sums_saturate_instead_of_breaking_the_accounting(start_runtime):
+    """Forged publish times (an hour old each) push the int64 latency sums toward overflow; at
+    the top they saturate, and every batch is still accounted."""
+    from simpledbi.layout import H_LATENCY, H_QUEUE, H_SUM
+    rt = start_runtime(cpu_model("affine", models.affine, max_batch_size=4))
+    hist = rt.ctls["affine"].hist[0]
+    top = 2**63 - 1
+    hist[H_LATENCY][H_SUM] = hist[H_QUEUE][H_SUM] = top - 10   # where forged times would take it
+    with SharedModel("affine", max_shape=(1, 2), namespace=rt.namespace) as m:
+        x = np.ones((1, 2), np.float32)
+        for _ in range(5):
+            np.testing.assert_array_equal(m.forward(x, timeout=10), x * 2 + 1)
+        st = m.stats()
+    assert int(hist[H_LATENCY][H_SUM]) == top and int(hist[H_QUEUE][H_SUM]) == top
+    assert st["requests"] == 5 and int(hist[H_LATENCY][:H_SUM].sum()) == 5
+
+
+@pytest.mark.timeout(120)
+def test_a_request_forged_under_my_slot_index_does_not_make_my_call_fail(start_runtime, gate, monkeypatch):
+    """Another client creates a slot of its own under my slot's index (new token) while my
+    request is inside model process A; idle process B claims the forged request and its claim
+    record replaces A's. Nobody died, so my call keeps waiting -- and gets its answer."""
+    from simpledbi import slots
+    rt = start_runtime(cpu_model("gated", functools.partial(models.gated, gate.name), model_num=2,
+                                 max_batch_size=1))
+    pids = _pids(rt, "gated")
+    victim = SharedModel("gated", max_shape=(1, 2), namespace=rt.namespace, poll_interval=0.05)
+    t, outcome = _gated_call(victim, gate)
+    (mine,) = victim._h.busy
+    attacker = SharedModel("gated", max_shape=(1, 2), namespace=rt.namespace)
+    h = attacker._h
+
+    class Forged(slots.ClientSlot):
+        def __init__(self):  # a slot of my own at the victim's index: no lock, new token
+            self.namespace, self.model = rt.namespace, "gated"
+            self.ctl, self.table, self.doorbell = h.ctl, h.table, h.doorbell
+            self.pid, self.index, self.lock_fd = os.getpid(), mine.index, None
+            self.seq = self.stale_seq = self.withdrawn = 0
+            self.woken, self.lost_at, self.deaths_at_publish = 0.0, 0.0, 0
+            self.interrupted, self._sem_lock = False, threading.Lock()
+            self._create([(1, 2)], [np.dtype(np.float32)])
+
+    monkeypatch.setattr(slots, "_unlink_slot_objects", lambda *a: None)   # leave the victim's be
+    forged = Forged()
+    try:
+        seq = forged.publish([np.ones((1, 2), np.float32)])
+        assert forged.wait(seq, 30), "process B did not answer the forged request"
+        claims = rt.ctls["gated"].claims[mine.index]
+        assert int(claims["token"]) == forged.token   # A's record of my request is gone
+        # my call looks for its claim every 0.05 s; before, the second look raised
+        # ModelProcessDied. Let it look several times.
+        looks = set()
+        _wait_for(lambda: looks.add(mine.lost_at) or len(looks - {0.0}) >= 3)
+        assert "e" not in outcome, outcome
+    finally:
+        gate.open()
+        t.join(30)
+        forged._drop_views()
+        forged.seg.close()
+        forged.seg.unlink()
+        for sem in (forged.ready, forged.done):
+            sem.unlink()
+            sem.close()
+    assert "e" not in outcome, outcome
+    np.testing.assert_array_equal(outcome["y"], np.full((1, 2), models.GATE, np.float32) * 2 + 1)
+    victim.close()
+    attacker.close()
+    assert _pids(rt, "gated") == pids

@@ -371,3 +371,25 @@ def test_a_multi_line_model_error_keeps_its_cause_in_the_message():
                                r"mat2 shapes cannot be multiplied \(1x5 and 8x4\)") as e:
                 client.forward(np.ones((1, 3), np.float32))
             assert "Traceback of TorchScript" in e.value.remote_traceback
+
+
+@pytest.mark.timeout(120)
+def test_a_registration_naming_some_other_live_pid_does_not_hold_the_name():
+    """A registration rewritten to name a live process (pid 1) and a namespace that does not
+    exist is stale: the next runtime of that name starts, and clients find it."""
+    name = _name()
+    path = naming.registration_path(name)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    os.write(fd, json.dumps({"namespace": "sdbi_1_deadbeef", "pid": 1, "models": ["m"],
+                             "started": 0}).encode())
+    os.close(fd)
+    try:
+        assert naming.resolve(name) is None
+        with Runtime([cpu_model("m", models.affine)], FAST, name=name) as rt:
+            assert naming.resolve(name).namespace == rt.namespace
+            with SharedModel("m", (1, 3), runtime=name) as c:
+                np.testing.assert_array_equal(c.forward(np.ones((1, 3), np.float32)), np.full((1, 3), 3.0))
+    finally:
+        if os.path.exists(path) and json.load(open(path))["pid"] == 1:
+            os.unlink(path)
+    assert not os.path.exists(path)
