@@ -6,6 +6,7 @@
 (b) one worker sends a (1, 4) float32 tensor through simpledbi to an identity model on the CPU.
 Both run in this process tree, on this machine, one after the other; p50/p90/p99 in microseconds.
 (c) ``--workers`` processes send (b)'s request in a closed loop: requests per second.
+(b) also prints where its time goes (``SharedModel.last_timing``), p50 of each stage.
 """
 from __future__ import annotations
 
@@ -60,20 +61,28 @@ def identity():
     return torch.nn.Identity()
 
 
-def _echo_worker(rank: int, n: int) -> np.ndarray:
+STAGES = ("call -> published", "published -> batch closed", "batch closed -> answer written",
+          "answer written -> caller running", "caller running -> returned")
+
+
+def _echo_worker(rank: int, n: int) -> tuple:
     model = SharedModel("echo", max_shape=(1, 4))
     x = np.ones((1, 4), np.float32)
     for _ in range(500):
         model.forward(x)
-    ts = []
+    ts, stages = [], []
     for _ in range(n):
-        t = time.perf_counter()
+        t0, t = time.monotonic(), time.perf_counter()
         model.forward(x)
         ts.append(time.perf_counter() - t)
-    return np.array(ts) * 1e6
+        t1 = time.monotonic()
+        tm = model.last_timing()   # where it went (time.monotonic stamps of both processes)
+        stages.append((tm["published"] - t0, tm["batch_closed"] - tm["published"],
+                       tm["done"] - tm["batch_closed"], tm["woken"] - tm["done"], t1 - tm["woken"]))
+    return np.array(ts) * 1e6, np.array(stages) * 1e6
 
 
-def echo_roundtrip(n: int) -> np.ndarray:
+def echo_roundtrip(n: int) -> tuple:
     cfg = ModelConfig(name="echo", factory=identity, max_batch_size=8, wait_time=0.001, device="cpu",
                       num_threads=1)
     return Run(target=_echo_worker, worker_num=1, args=(n,), models=[cfg], options=RuntimeOptions())[0]
@@ -113,13 +122,15 @@ def main():
     ap.add_argument("--json", default="")
     a = ap.parse_args()
     sem = semaphore_pingpong(a.n)
-    echo = echo_roundtrip(a.n)
+    echo, stages = echo_roundtrip(a.n)
     out = {}
     for name, ts in (("posix_ipc semaphore ping-pong", sem), ("simpledbi echo round trip", echo)):
         p50, p90, p99 = np.percentile(ts, [50, 90, 99])
         out[name] = {"p50_us": p50, "p90_us": p90, "p99_us": p99}
         print(f"{name:32s} p50 {p50:7.1f} us   p90 {p90:7.1f} us   p99 {p99:7.1f} us")
     print(f"ratio (p50): {out['simpledbi echo round trip']['p50_us'] / out['posix_ipc semaphore ping-pong']['p50_us']:.1f}x")
+    out["echo stages p50_us"] = {k: float(v) for k, v in zip(STAGES, np.median(stages, axis=0))}
+    print("  echo, p50 of each stage: " + ", ".join(f"{k} {v:.1f} us" for k, v in out["echo stages p50_us"].items()))
     if a.workers:
         out["throughput"] = tp = echo_throughput(a.workers, a.seconds)
         print(f"{a.workers} echo workers, closed loop: {tp['requests_per_s']:.0f} requests/s "

@@ -20,7 +20,6 @@ import faulthandler
 import gc
 import logging
 import os
-import re
 import signal
 import struct
 import time
@@ -42,6 +41,7 @@ from .layout import (
     HEADER, INSTANCE, SlotTable,
     doorbell_name, dtype_code, words,
 )
+from .discovery import SlotFinder
 from .logs import install_child_handler
 from .shm import open_semaphore
 from .slots import (
@@ -51,7 +51,6 @@ from .slots import (
 
 logger = logging.getLogger(__name__)
 _I64_MAX = 2**63 - 1
-_SEGMENT_RE = re.compile(r"^(\d+)\.([0-9a-f]{16})$")   # <model>.s<slot>.<token>, after the prefix
 assert B_FIELDS == ("t_close", "rows", "requests", "queue_wait", "gather", "h2d", "forward", "d2h",
                     "scatter", "runtime", "t_end")  # the order _account writes a record in
 _C_REQUESTS, _C_BATCHES, _C_ROWS, _C_HEAD, _C_OVER = (
@@ -168,7 +167,13 @@ class ModelServer:
             dtypes = tuple(np.dtype(d) for d in cfg.input_dtypes)
         self.limits = Limits(self.max_batch, len(cfg.input_shapes) if cfg.input_shapes else None, dtypes,
                              names=self.engine.input_names)
-        self.peers: Dict[int, Peer] = {}
+        self.peers: Dict[int, Peer] = {}       # slot -> the handle its row named last
+        # NOTE [hidden requests]: other live handles of a slot index -- a row naming a new token
+        # (maybe another client's forgery) sets the old one aside, it is not dropped while its
+        # segment lives -- and handles found by listing the namespace directory.
+        self.aside: Dict[Tuple[int, int], Peer] = {}
+        self._finder = SlotFinder(spec.namespace, os.path.dirname(self.table.seg.path), cfg.name,
+                                  self.ctl.max_slots, interval=max(1.0, self.poll))
         self.deferred: List[Request] = []      # claimed by me, not batched yet (other shape / no room)
         self._open: Dict[int, Request] = {}    # id -> every request claimed and not answered yet
         self.retired: set = set()              # replaced peers that still owe answers
@@ -308,6 +313,9 @@ class ModelServer:
                     quiet = True
                 finally:
                     inst_words[_I_FREE] = 0
+                if not quiet and time.monotonic() - self._last_maintenance > self.poll and \
+                        not self._maintenance():
+                    break   # rings that come faster than poll_interval must not put it off
                 if quiet and self.engine.cuda:
                     self.engine.take_graphs()   # captured off-thread while nothing came
                     self._show_graphs()
@@ -335,10 +343,12 @@ class ModelServer:
         return self.ctl.model_num > 1 and bool(self._free.any())
 
     def close(self) -> None:
-        for peer in list(self.peers.values()) + list(self.retired):
+        self._finder.close()
+        for peer in list(self.peers.values()) + list(self.aside.values()) + list(self.retired):
             self.engine.unregister(peer.mapping[1] if peer.mapping else 0)
             peer.close()
         self.peers.clear()
+        self.aside.clear()
         try:
             self.engine.close()
         except Exception:  # noqa: BLE001 - best effort at exit
@@ -367,8 +377,15 @@ class ModelServer:
             # table row: any client can write that, and would make me forget the slot.)
             if not peer.inflight and not peer.linked():
                 self._drop_peer(slot)
-        self._sweep(discover=self._suspect)
+        for key, peer in list(self.aside.items()):
+            if not peer.inflight and not peer.linked():
+                del self.aside[key]
+                self._close_peer(peer)
+        self._adopt(self._finder.take())
+        if self._suspect and not self.retiring:
+            self._finder.ask(frozenset([(s, p.token) for s, p in self.peers.items()] + list(self.aside)))
         self._suspect = False
+        self._sweep()
         self._failed.clear()  # a failed claim is not retried before a ring or this, no longer
         self._rescan = True
         seen, t = self._first_seen, self.table
@@ -376,35 +393,55 @@ class ModelServer:
             del seen[s]
         return True
 
-    def _sweep(self, discover: bool = False) -> None:
-        """NOTE [hidden requests]: a request is findable by its table row only, and any client
-        can rewrite any row -- over and over, faster than the row's owner repairs it. So, at least
-        once per poll interval (and at once, at most every 10 ms, when a ring found nothing):
-        every slot I have a handle on whose ``rdy`` is posted (a request nobody claimed) while
-        its row hides it is claimed through that handle, and when a ring found nothing
-        (``discover``) the namespace directory is listed for slots I have no handle on yet.
-        A hidden request then waits at most about a poll interval, as a damaged hint may."""
+    def _sweep(self) -> None:
+        """NOTE [hidden requests]: a request is findable by its table row, and any client can
+        rewrite any row -- over and over, faster than the row's owner repairs it -- or make its
+        row name a token of its own. So, at once when a ring finds nothing to claim (at most every
+        10 ms unless hidden requests keep turning up) and at every maintenance pass, every handle
+        I have (the row's last token and those set aside) whose ``rdy`` is posted -- a request
+        nobody claimed; only its owner posts it -- while the row does not show it is claimed
+        through that handle. Slots I have no handle on are found by a SlotFinder, asked when a
+        ring found nothing. A hidden request waits about a poll interval at most."""
         self._last_sweep = time.monotonic()
         if self.retiring:
             return
-        if discover:
-            prefix = f"{self.cfg.name}.s"
-            try:
-                names = os.listdir(os.path.dirname(self.table.seg.path))
-            except OSError:
-                names = []
-            for entry in names:
-                m = _SEGMENT_RE.match(entry[len(prefix):]) if entry.startswith(prefix) else None
-                if m is None:
-                    continue
-                slot, token = int(m.group(1)), int(m.group(2), 16)
-                if slot < self.ctl.max_slots and slot not in self.peers:
-                    self._peer(slot, token)
         tw_u, state = self._tw_u, self.table.state
         for slot, peer in self.peers.items():
             if peer.waiting() and not (state[slot] == PUBLISHED and tw_u[slot * SLOT_WORDS + T_TOKEN] == peer.token):
                 self._hidden[slot] = peer.token
+        for (slot, token), peer in self.aside.items():
+            if peer.waiting():
+                self._hidden[slot] = token
         self._hidden_seen = bool(self._hidden)   # under attack: look again at every empty ring
+
+    def _adopt(self, found: List[Peer]) -> None:
+        """Take the handles a SlotFinder opened: the row's slot if I had none, else set aside."""
+        for peer in found:
+            key = (peer.slot, peer.token)
+            have = self.peers.get(peer.slot)
+            if (have is not None and have.token == peer.token) or key in self.aside:
+                peer.close()
+            elif have is None:
+                self._register(peer)
+                self.peers[peer.slot] = peer
+            else:
+                self._set_aside(peer)
+
+    def _set_aside(self, peer: Peer) -> None:
+        """Keep a live handle that its row no longer names, within a bound: at most max_slots
+        are kept, those whose last claim succeeded longest ago go first."""
+        self.aside[(peer.slot, peer.token)] = peer
+        if len(self.aside) > self.ctl.max_slots:
+            idle = [k for k, p in self.aside.items() if not p.inflight]
+            for key in sorted(idle, key=lambda k: self.aside[k].last_ok)[:len(self.aside) - self.ctl.max_slots]:
+                self._close_peer(self.aside.pop(key))
+
+    def _register(self, peer: Peer) -> None:
+        if self.engine.wants_mapping:
+            m = peer.map()
+            if m is not None and not self.engine.register(*m):
+                peer.mapping[0].close()
+                peer.mapping = None
 
     # ------------------------------------------------------------ claiming
     def _drain_doorbell(self) -> int:
@@ -443,16 +480,19 @@ class ModelServer:
         peer = self.peers.get(slot)
         if peer is not None and peer.token == token:
             return peer
-        try:  # the new one must open before the old one goes: a forged token opens nothing
-            new = Peer(self.spec.namespace, self.cfg.name, slot, token)
-        except (posix_ipc.Error, OSError, ValueError):
-            return None  # gone (detached), or a hint that names nothing
-        self._drop_peer(slot)
-        if self.engine.wants_mapping:
-            m = new.map()
-            if m is not None and not self.engine.register(*m):
-                new.mapping[0].close()
-                new.mapping = None
+        new = self.aside.pop((slot, token), None)
+        if new is None:
+            try:  # the new one must open before the old one goes: a forged token opens nothing
+                new = Peer(self.spec.namespace, self.cfg.name, slot, token)
+            except (posix_ipc.Error, OSError, ValueError):
+                return None  # gone (detached), or a hint that names nothing
+            self._register(new)
+        if peer is not None:
+            self.peers.pop(slot)
+            if peer.linked():
+                self._set_aside(peer)   # maybe the row is a forgery: keep serving its owner
+            else:
+                self._close_peer(peer)
         self.peers[slot] = new
         return new
 
@@ -520,8 +560,8 @@ class ModelServer:
         hidden = self._hidden.pop(slot, None) if self._hidden else None
         if hidden is not None:   # NOTE [hidden requests]: the handle I have, not what the row says
             token, peer = hidden, self.peers.get(slot)
-            if peer is not None and peer.token != token:
-                peer = None
+            if peer is None or peer.token != token:
+                peer = self.aside.get((slot, token))
         else:
             peer = self._peer(slot, token)
         if peer is None or not peer.try_claim():
@@ -534,7 +574,10 @@ class ModelServer:
             peer.inflight -= 1
             self.counters["bad_requests"] += 1
             self._failed[slot] = (token, seq_hint)
-            self._drop_peer(slot)
+            if self.peers.get(slot) is peer:
+                self._drop_peer(slot)
+            elif self.aside.pop((slot, token), None) is peer:
+                self._close_peer(peer)
             return None
         except BadRequest as e:
             write_claim(self.claim_words, slot, token, e.seq, self.me, self.pid)
@@ -542,6 +585,7 @@ class ModelServer:
             self._reject(peer, e.seq, str(e))
             return None
         write_claim(self.claim_words, slot, token, req.seq, self.me, self.pid)
+        peer.last_ok = now
         first = self._first_seen.pop(slot, None)
         req.t_seen = first[1] if first is not None else now
         if req.seq == peer.answered_seq + 1:  # its last request was answered by me: a sample

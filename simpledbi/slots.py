@@ -515,6 +515,7 @@ class Peer:
         self.allocated = 0       # ... and the bytes of memory behind it (st_blocks), then
         self.answered_at = 0.0   # when this process last woke the client (time.monotonic) ...
         self.answered_seq = -1   # ... and for which request
+        self.last_ok = 0.0       # when a claim through this handle last succeeded
         self._last = None        # the last request validated: its static header bytes and result
         self._heads = {}         # response header prefixes by output signature
         # The segment a client created, not what it may have put at its path since: no symlink

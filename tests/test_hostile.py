@@ -800,3 +800,92 @@ def test_a_request_forged_under_my_slot_index_does_not_make_my_call_fail(start_r
     victim.close()
     attacker.close()
     assert _pids(rt, "gated") == pids
+
+
+def _cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.mark.timeout(180)
+def test_a_directory_flooded_with_fake_slot_names_costs_the_model_process_little(start_runtime):
+    """20,000 fake segment names in the namespace directory and doorbell rings with nothing
+    published: the model process lists the directory off its serving thread, rate-limited, and
+    never retries a name that failed -- before, every empty ring cost a listing and 20,000 failed
+    opens on the serving thread (90% of a core)."""
+    rt = start_runtime(cpu_model("affine", models.affine))
+    pid = _pids(rt, "affine")[0]
+    attacker = SharedModel("affine", max_shape=(1, 2), namespace=rt.namespace)
+    d = os.path.dirname(rt.tables["affine"].seg.path)
+    rng = np.random.default_rng(0)
+    for i in range(20000):
+        fd = os.open(os.path.join(d, f"affine.s{i % 200 + 100}.{int(rng.integers(1, 2**62)):016x}"),
+                     os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+        os.close(fd)
+    t0, c0 = time.monotonic(), _cpu_seconds(pid)
+    while time.monotonic() - t0 < 4:
+        attacker._h.doorbell.release()
+        threading.Event().wait(0.1)   # the attacker's ring period: two poll intervals
+    share = (_cpu_seconds(pid) - c0) / (time.monotonic() - t0)
+    attacker.close()
+    assert share < 0.3, f"the model process used {share:.0%} of a core"
+    _honest(rt, "affine")
+
+
+# A client that makes its own slot objects (a new token) under another client's slot index, makes
+# the row name them (so the model process opens them as that slot's), then keeps the row hidden.
+_HIJACK = r"""
+import os, sys, secrets, threading, numpy as np, posix_ipc
+from simpledbi import SharedModel
+from simpledbi.layout import sem_name, segment_path, DATA_OFFSET, PUBLISHED, IDLE
+ns, i = sys.argv[1], int(sys.argv[2])
+m = SharedModel("affine", max_shape=(1, 2), namespace=ns)
+t = m._h.table
+F = secrets.randbits(64) | 1
+path = segment_path(ns, "affine", i, F)
+fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+os.pwrite(fd, b"\0" * (DATA_OFFSET + 4096), 0)
+os.close(fd)
+sems = [posix_ipc.Semaphore(sem_name(ns, "affine", i, F, w), posix_ipc.O_CREX, 0o600, 0) for w in ("rdy", "don")]
+t.token[i], t.seq[i], t.state[i] = F, 12345, PUBLISHED
+m._h.doorbell.release()
+done = threading.Event()
+threading.Thread(target=lambda: (sys.stdin.read(), done.set()), daemon=True).start()
+print("RUNNING", flush=True)
+n = 0
+while not done.is_set():
+    t.token[i], t.state[i] = F, IDLE
+    n += 1
+os.unlink(path)
+for s in sems:
+    s.unlink()
+    s.close()
+m.close()
+print(n, flush=True)
+"""
+
+
+@pytest.mark.timeout(180)
+def test_a_row_pointed_at_another_clients_objects_does_not_cut_its_owner_off(start_runtime):
+    """The model process keeps its handle on the owner's objects when a row names new ones (which
+    may be a forgery), and looks at both: the owner's calls are answered while the row is kept
+    naming the forgery and hidden -- before, every one of them timed out."""
+    rt = start_runtime(cpu_model("affine", models.affine, max_batch_size=4))
+    pids = _pids(rt, "affine")
+    victim = SharedModel("affine", max_shape=(2, 2), namespace=rt.namespace)
+    x = np.ones((2, 2), np.float32)
+    victim.forward(x, timeout=5)   # the model process has a handle on the victim's slot
+    p = subprocess.Popen([sys.executable, "-c", _HIJACK, rt.namespace, str(victim._h.idle[0].index)],
+                         cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "RUNNING"
+        for _ in range(30):
+            np.testing.assert_array_equal(victim.forward(x, timeout=5), x * 2 + 1)
+    finally:
+        p.stdin.close()
+        out = p.stdout.read()
+        p.wait(60)
+    assert int(out.split()[-1]) > 0
+    victim.close()
+    assert _pids(rt, "affine") == pids
