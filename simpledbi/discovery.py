@@ -6,10 +6,11 @@ segment file in the namespace directory, ``<model>.s<slot>.<token>``. Any client
 that directory with names, so it is listed by a thread, when asked, at most once per
 ``interval`` seconds, opening at most ``per_look`` candidates each time and never one that
 failed before: what a flood of names costs lands on this thread, a bounded share of a core,
-never on the serving thread.
+never on the serving thread -- which keeps only handles with a request waiting, a few per pass.
 """
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import re
@@ -27,7 +28,7 @@ class SlotFinder:
     """Lists ``directory`` for the segments of ``model``'s slots and opens them as Peers."""
 
     def __init__(self, namespace: str, directory: str, model: str, max_slots: int,
-                 interval: float = 1.0, per_look: int = 1024):
+                 interval: float = 1.0, per_look: int = 256):
         self.namespace, self.directory, self.model = namespace, directory, model
         self.max_slots, self.interval, self.per_look = max_slots, interval, per_look
         self._prefix = f"{model}.s"
@@ -96,6 +97,10 @@ class SlotFinder:
                 tried += 1
                 try:
                     opened.append(Peer(self.namespace, self.model, slot, token))
+                except OSError as e:
+                    if e.errno in (errno.EMFILE, errno.ENFILE):
+                        break   # out of descriptors: not this name's fault, try again next look
+                    self._failed.add(name)
                 except Exception:  # noqa: BLE001 - not a slot (gone, a fake, not a regular file)
                     self._failed.add(name)
         if opened:

@@ -51,6 +51,8 @@ from .slots import (
 
 logger = logging.getLogger(__name__)
 _I64_MAX = 2**63 - 1
+_ASIDE_MAX = 64        # handles kept that no row names (NOTE [hidden requests]); a victim's evicted
+_ADOPT_PER_PASS = 32   # one is found again when its row is repaired; finder handles adopted per pass
 assert B_FIELDS == ("t_close", "rows", "requests", "queue_wait", "gather", "h2d", "forward", "d2h",
                     "scatter", "runtime", "t_end")  # the order _account writes a record in
 _C_REQUESTS, _C_BATCHES, _C_ROWS, _C_HEAD, _C_OVER = (
@@ -82,6 +84,19 @@ class ModelProcessSpec:
     standby: bool = False
 
 
+def _raise_fd_limit() -> None:
+    """A handle per attached slot (up to max_clients) plus torch's own: the soft descriptor
+    limit (often 1024) goes up to the hard one, as far as 2**20."""
+    import resource
+    try:
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        want = min(hard if hard != resource.RLIM_INFINITY else 2**20, 2**20)
+        if soft != resource.RLIM_INFINITY and soft < want:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+    except (ValueError, OSError):
+        pass
+
+
 def model_process_main(spec: ModelProcessSpec, conn) -> None:
     """Child entry point. Reports ("ready", info) or ("failed", ...) on ``conn``."""
     os.environ.update(spec.env)  # first: the CUDA driver reads CUDA_MPS_* once, when it initialises
@@ -89,6 +104,7 @@ def model_process_main(spec: ModelProcessSpec, conn) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when to stop
     faulthandler.enable()
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>` dumps stacks
+    _raise_fd_limit()
     try:
         server = ModelServer(spec)
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises
@@ -172,6 +188,7 @@ class ModelServer:
         # (maybe another client's forgery) sets the old one aside, it is not dropped while its
         # segment lives -- and handles found by listing the namespace directory.
         self.aside: Dict[Tuple[int, int], Peer] = {}
+        self._aside_cap = min(self.ctl.max_slots, _ASIDE_MAX)
         self._finder = SlotFinder(spec.namespace, os.path.dirname(self.table.seg.path), cfg.name,
                                   self.ctl.max_slots, interval=max(1.0, self.poll))
         self.deferred: List[Request] = []      # claimed by me, not batched yet (other shape / no room)
@@ -415,11 +432,14 @@ class ModelServer:
         self._hidden_seen = bool(self._hidden)   # under attack: look again at every empty ring
 
     def _adopt(self, found: List[Peer]) -> None:
-        """Take the handles a SlotFinder opened: the row's slot if I had none, else set aside."""
-        for peer in found:
+        """Take the handles a SlotFinder opened: the row's slot if I had none, else set aside.
+        Only those with a request waiting, at most _ADOPT_PER_PASS: names anyone can create
+        must not fill my descriptors or my time (the finder never reopens one it gave me)."""
+        for n, peer in enumerate(found):
             key = (peer.slot, peer.token)
             have = self.peers.get(peer.slot)
-            if (have is not None and have.token == peer.token) or key in self.aside:
+            if n >= _ADOPT_PER_PASS or (have is not None and have.token == peer.token) or \
+                    key in self.aside or not peer.waiting():
                 peer.close()
             elif have is None:
                 self._register(peer)
@@ -431,10 +451,10 @@ class ModelServer:
         """Keep a live handle that its row no longer names, within a bound: at most max_slots
         are kept, those whose last claim succeeded longest ago go first."""
         self.aside[(peer.slot, peer.token)] = peer
-        if len(self.aside) > self.ctl.max_slots:
+        if len(self.aside) > self._aside_cap:
             idle = [k for k, p in self.aside.items() if not p.inflight]
-            for key in sorted(idle, key=lambda k: self.aside[k].last_ok)[:len(self.aside) - self.ctl.max_slots]:
-                self._close_peer(self.aside.pop(key))
+            if idle:
+                self._close_peer(self.aside.pop(min(idle, key=lambda k: self.aside[k].last_ok)))
 
     def _register(self, peer: Peer) -> None:
         if self.engine.wants_mapping:

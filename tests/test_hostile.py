@@ -889,3 +889,42 @@ def test_a_row_pointed_at_another_clients_objects_does_not_cut_its_owner_off(sta
     assert int(out.split()[-1]) > 0
     victim.close()
     assert _pids(rt, "affine") == pids
+
+
+@pytest.mark.timeout(180)
+def test_fake_slots_of_a_clients_own_do_not_fill_the_model_processes_descriptors(start_runtime):
+    """A client creates 400 slots of its own (segment + semaphores, fresh tokens, no request) and
+    rings with nothing published: the model process keeps handles only on slots with a request
+    waiting -- before, it kept one per fake, up to twice max_clients, until a real client's open
+    failed with 'too many open files'."""
+    from simpledbi.layout import DATA_OFFSET, sem_name, segment_path
+    rt = start_runtime(cpu_model("affine", models.affine))
+    pid = _pids(rt, "affine")[0]
+    fds_before = len(os.listdir(f"/proc/{pid}/fd"))
+    attacker = SharedModel("affine", max_shape=(1, 2), namespace=rt.namespace)
+    rng = np.random.default_rng(1)
+    made = []
+    for i in range(400):
+        slot, token = 10 + i % 200, int(rng.integers(1, 2**62))
+        path = segment_path(rt.namespace, "affine", slot, token)
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        os.pwrite(fd, b"\0" * (DATA_OFFSET + 4096), 0)
+        os.close(fd)
+        sems = [posix_ipc.Semaphore(sem_name(rt.namespace, "affine", slot, token, w), posix_ipc.O_CREX, 0o600, 0)
+                for w in ("rdy", "don")]
+        made.append((path, sems))
+    try:
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 4:   # several finder looks (one a second at most)
+            attacker._h.doorbell.release()
+            threading.Event().wait(0.1)
+        held = len(os.listdir(f"/proc/{pid}/fd")) - fds_before
+        assert held < 50, f"the model process holds {held} more descriptors"
+        _honest(rt, "affine")
+    finally:
+        for path, sems in made:
+            os.unlink(path)
+            for s in sems:
+                s.unlink()
+                s.close()
+        attacker.close()
