@@ -4,6 +4,7 @@ Each test ends by checking that an honest client is still served correctly, that
 was restarted (except where a test kills one on purpose), and -- with a huge ``wait_time`` -- that
 a lone client's call is not held back by slots that nobody uses any more.
 """
+import contextlib
 import functools
 import os
 import signal
@@ -47,6 +48,22 @@ def _wait_for(cond, timeout=30.0):
     while not cond():
         assert time.monotonic() < deadline, "condition not reached"
         threading.Event().wait(0.01)  # bounded wait on a shared-memory condition
+
+
+@contextlib.contextmanager
+def _hostile_process(code: str, *args: str):
+    """Run a hostile client script until the block ends (it stops when its stdin closes);
+    yields a dict whose "out" is what it printed after "RUNNING"."""
+    p = subprocess.Popen([sys.executable, "-c", code, *args], cwd=ROOT,
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    result = {}
+    try:
+        assert p.stdout.readline().strip() == "RUNNING"
+        yield result
+    finally:
+        p.stdin.close()
+        result["out"] = p.stdout.read()
+        p.wait(60)
 
 
 def _gated_call(m, gate):
@@ -478,18 +495,12 @@ def test_a_quiet_attached_slot_does_not_make_every_batch_wait(start_runtime):
 def test_forged_old_publish_hints_cannot_starve_another_shape(start_runtime):
     rt = start_runtime(cpu_model("lb", models.launch_bound, max_batch_size=2, wait_time=0.003))
     pids = _pids(rt, "lb")
-    p = subprocess.Popen([sys.executable, "-c", _FORGE_OLD_HINTS, rt.namespace], cwd=ROOT,
-                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    try:
-        assert p.stdout.readline().strip() == "RUNNING"
+    with _hostile_process(_FORGE_OLD_HINTS, rt.namespace):
         _wait_for(lambda: rt.ctls["lb"].counters["batches"].sum() > 20)
         with SharedModel("lb", max_shape=(1, 3), namespace=rt.namespace) as honest:
             x = np.ones((1, 3), np.float32)
             for _ in range(5):
                 np.testing.assert_array_equal(honest.forward(x, timeout=3), x * 2 + 1)
-    finally:
-        p.stdin.close()
-        p.wait(60)
     assert _pids(rt, "lb") == pids
 
 
@@ -687,10 +698,7 @@ def test_rows_hidden_over_and_over_by_another_client_do_not_starve_their_owners(
     semaphores: every call is answered, exactly, long before its timeout."""
     rt = start_runtime(cpu_model("affine", models.affine, max_batch_size=4, max_clients=16))
     pids = _pids(rt, "affine")
-    p = subprocess.Popen([sys.executable, "-c", _HIDE_ROWS, rt.namespace], cwd=ROOT,
-                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    try:
-        assert p.stdout.readline().strip() == "RUNNING"
+    with _hostile_process(_HIDE_ROWS, rt.namespace) as hostile:
         # default client poll (0.5 s): before, its hint repairs lost the race -- calls took
         # seconds each and timed out
         with SharedModel("affine", max_shape=(2, 2), namespace=rt.namespace) as honest:
@@ -698,11 +706,7 @@ def test_rows_hidden_over_and_over_by_another_client_do_not_starve_their_owners(
             for _ in range(30):
                 x = rng.standard_normal((int(rng.integers(1, 3)), 2)).astype(np.float32)
                 np.testing.assert_array_equal(honest.forward(x, timeout=5), x * 2 + 1)
-    finally:
-        p.stdin.close()
-        out = p.stdout.read()
-        p.wait(60)
-    assert int(out.split()[-1]) > 0, "the attacker never hid a row: the test proves nothing"
+    assert int(hostile["out"].split()[-1]) > 0, "the attacker never hid a row: the test proves nothing"
     assert _pids(rt, "affine") == pids
 
 
@@ -876,17 +880,10 @@ def test_a_row_pointed_at_another_clients_objects_does_not_cut_its_owner_off(sta
     victim = SharedModel("affine", max_shape=(2, 2), namespace=rt.namespace)
     x = np.ones((2, 2), np.float32)
     victim.forward(x, timeout=5)   # the model process has a handle on the victim's slot
-    p = subprocess.Popen([sys.executable, "-c", _HIJACK, rt.namespace, str(victim._h.idle[0].index)],
-                         cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    try:
-        assert p.stdout.readline().strip() == "RUNNING"
+    with _hostile_process(_HIJACK, rt.namespace, str(victim._h.idle[0].index)) as hostile:
         for _ in range(30):
             np.testing.assert_array_equal(victim.forward(x, timeout=5), x * 2 + 1)
-    finally:
-        p.stdin.close()
-        out = p.stdout.read()
-        p.wait(60)
-    assert int(out.split()[-1]) > 0
+    assert int(hostile["out"].split()[-1]) > 0
     victim.close()
     assert _pids(rt, "affine") == pids
 
