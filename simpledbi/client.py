@@ -14,6 +14,7 @@ import concurrent.futures
 import contextvars
 import functools
 import collections
+import errno
 import logging
 import os
 import sys
@@ -629,10 +630,14 @@ class _Handles:
     def open(cls, namespace: str, name: str) -> "_Handles":
         try:
             ctl = ControlBlock.attach(namespace, name, readonly=True)
-        except FileNotFoundError:
+        except OSError as e:
+            # none, or not a control block (something a client put at its path: a FIFO, a link)
+            if e.errno not in (errno.ENOENT, errno.EINVAL, errno.ELOOP):
+                raise
             try:
-                available = sorted(e[:-4] for e in os.listdir(os.path.join(SHM_DIR, namespace))
-                                   if e.endswith(".ctl"))
+                with os.scandir(os.path.join(SHM_DIR, namespace)) as entries:
+                    available = sorted(e.name[:-4] for e in entries
+                                       if e.name.endswith(".ctl") and e.is_file(follow_symlinks=False))
             except OSError:
                 raise LookupError(f"no simpledbi runtime {namespace!r} is running here") from None
             raise LookupError(f"no model named {name!r} in runtime {namespace}; available: "

@@ -38,6 +38,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence
 
+from .shm import remove_tree
+
 logger = logging.getLogger(__name__)
 
 CONTROL = "nvidia-cuda-mps-control"
@@ -211,7 +213,7 @@ class PrivateDaemon:
         finally:
             for fd in pinned.values():
                 os.close(fd)
-            shutil.rmtree(self.directory, ignore_errors=True)
+            remove_tree(self.directory)
 
 
 def sweep_dead_daemons(timeout: float = 5.0) -> int:

@@ -18,6 +18,7 @@ import errno
 import json
 import os
 import re
+import stat
 import time
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
@@ -52,13 +53,13 @@ def registration_path(name: str, shm_dir: str = SHM_DIR) -> str:
 def read(name: str, shm_dir: str = SHM_DIR) -> Optional[Registration]:
     """The registration of ``name`` if it is ours and complete, else None (live or not)."""
     path = registration_path(name, shm_dir)
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    try:   # /dev/shm is everyone's: never block opening another user's FIFO
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:
         return None
     try:
         st = os.fstat(fd)
-        if st.st_uid != os.getuid() or st.st_size > 65536:
+        if st.st_uid != os.getuid() or not stat.S_ISREG(st.st_mode) or st.st_size > 65536:
             return None
         data = os.read(fd, 65536)
     finally:

@@ -46,7 +46,7 @@ from .layout import (
 from .model_process import ModelProcessSpec, model_process_main
 from .shm import (
     check_free_space, create_semaphore, new_namespace, open_semaphore, sweep_dead_namespaces,
-    sweep_namespace,
+    sweep_namespace, sweep_semaphore_temps,
 )
 from .slots import reap_dead
 from .worker import worker_main
@@ -117,6 +117,7 @@ class Runtime:
         self._wake_r, self._wake_w = None, None
         self._failures: Dict[str, collections.deque] = {m.name: collections.deque() for m in models}
         self._restart_at: Dict[Tuple[str, int], float] = {}
+        self._reap_failed = False   # a reaping error was logged (once)
         self._retired: List[_ModelProc] = []        # replaced by a reload, maybe still finishing
         self._loading: List[_ModelProc] = []        # a reload's new processes, before the switch
         self._lifecycle_lock = threading.RLock()     # restarts vs. a reload's switch
@@ -282,8 +283,14 @@ class Runtime:
             try:
                 now = time.monotonic()
                 if now >= next_reap:
-                    self.reap_dead_clients()
                     next_reap = now + self.options.poll_interval
+                    try:   # whatever a client left behind, watching the model processes goes on
+                        self.reap_dead_clients()
+                    except Exception:  # noqa: BLE001
+                        if not self._reap_failed:
+                            self._reap_failed = True
+                            logger.exception("simpledbi supervisor: reaping dead clients failed "
+                                             "(logged once)")
                 with self._lifecycle_lock:
                     for key, at in list(self._restart_at.items()):
                         if at <= now and not self._stop.is_set():
@@ -658,6 +665,7 @@ class Runtime:
                     os.close(fd)
             if self.namespace is not None:
                 sweep_namespace(self.namespace)
+                sweep_semaphore_temps(0.5)   # what clients killed inside sem_open left
             if self._mps_daemon is not None:  # its clients, the model processes, are gone
                 self._mps_daemon.stop(self.options.join_timeout)
             if self._janitor is not None:

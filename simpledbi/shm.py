@@ -25,7 +25,8 @@ import mmap
 import os
 import re
 import secrets
-import shutil
+import stat
+import time
 from typing import List, Optional
 
 import numpy as np
@@ -98,10 +99,18 @@ class Segment:
                 _unlink(path)
                 raise
         else:
-            fd = os.open(path, (os.O_RDONLY if readonly else os.O_RDWR) | os.O_CLOEXEC)
+            # Any client may put something else at a path of the namespace: never follow a
+            # symlink, never block opening a FIFO, and map only a non-empty regular file.
+            fd = os.open(path, (os.O_RDONLY if readonly else os.O_RDWR) | os.O_CLOEXEC | os.O_NOFOLLOW
+                         | os.O_NONBLOCK)
             try:
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode):
+                    raise OSError(errno.EINVAL, f"{path} is not a regular file")
                 if self.size <= 0:
-                    self.size = os.fstat(fd).st_size
+                    self.size = st.st_size
+                if self.size <= 0:
+                    raise OSError(errno.EINVAL, f"{path} is empty")
                 self._mmap = mmap.mmap(fd, self.size, access=mmap.ACCESS_READ if readonly
                                        else mmap.ACCESS_WRITE)
             except BaseException:
@@ -189,14 +198,90 @@ def _unlink(path: str) -> None:
 
 
 def unlink_file(path: str) -> None:
-    _unlink(path)
+    """Remove what is at ``path`` -- whatever a client put there (a directory too). Never raises:
+    cleanup must go on."""
+    remove_tree(path)
 
 
 def unlink_sem(name: str) -> None:
+    """Unlink semaphore ``name`` (or whatever a client put at its path). Never raises."""
     try:
         posix_ipc.unlink_semaphore(name)
     except (posix_ipc.ExistentialError, posix_ipc.PermissionsError):
         pass  # gone already, or another user's
+    except (posix_ipc.Error, OSError):
+        remove_tree(os.path.join(SHM_DIR, "sem." + name.lstrip("/")))   # not a semaphore
+
+
+def remove_tree(path: str) -> None:
+    """Remove ``path`` and, if it is a directory, everything in it. Never raises, never follows a
+    symlink, and never recurses: a client can nest directories deeper than Python's recursion
+    limit (``shutil.rmtree`` then raises RecursionError) or than PATH_MAX. A non-empty
+    subdirectory's own subdirectories are moved up into the top directory first, so no more than
+    two directories are open at any time and the work is linear in the number of entries."""
+    try:
+        os.unlink(path)
+        return
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        if e.errno not in (errno.EISDIR, errno.EPERM):
+            logger.debug("could not remove %s: %s", path, e)
+            return
+    try:
+        top = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        logger.debug("could not remove %s: %s", path, e)
+        return
+    deadline = time.monotonic() + 60.0   # entries added as fast as they go: give up, logged
+    try:
+        moved, progress = 0, True
+        while progress:
+            if time.monotonic() > deadline:
+                logger.warning("gave up removing %s after 60 s: entries keep appearing", path)
+                return
+            progress = False
+            with os.scandir(top) as entries:
+                names = [(e.name, e.is_dir(follow_symlinks=False)) for e in entries]
+            for name, is_dir in names:
+                try:
+                    if not is_dir:
+                        os.unlink(name, dir_fd=top)
+                        progress = True
+                        continue
+                    try:
+                        os.rmdir(name, dir_fd=top)
+                        progress = True
+                        continue
+                    except OSError as e:
+                        if e.errno != errno.ENOTEMPTY:
+                            raise
+                    sub = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                                  dir_fd=top)
+                    try:
+                        with os.scandir(sub) as inner:
+                            below = [(e.name, e.is_dir(follow_symlinks=False)) for e in inner]
+                        for n2, d2 in below:
+                            if d2:
+                                moved += 1
+                                os.rename(n2, f".rm{moved}_{secrets.token_hex(4)}", src_dir_fd=sub,
+                                          dst_dir_fd=top)
+                            else:
+                                os.unlink(n2, dir_fd=sub)
+                            progress = True
+                    finally:
+                        os.close(sub)
+                    os.rmdir(name, dir_fd=top)
+                    progress = True
+                except FileNotFoundError:
+                    progress = True
+                except OSError as e:
+                    logger.debug("could not remove %s/%s: %s", path, name, e)
+        os.rmdir(path)
+    except OSError as e:
+        logger.debug("could not remove %s: %s", path, e)
+    finally:
+        os.close(top)
 
 
 def create_semaphore(name: str, initial: int = 0) -> posix_ipc.Semaphore:
@@ -216,6 +301,35 @@ def list_namespace(namespace: str, shm_dir: str = SHM_DIR) -> List[str]:
     return [e for e in entries if e == namespace or e.startswith("sem." + namespace + ".")]
 
 
+_SEM_TEMP_RE = re.compile(r"^sem\.[A-Za-z0-9]{6}$")
+
+
+def sweep_semaphore_temps(min_age: float = 2.0, shm_dir: str = SHM_DIR) -> int:
+    """Remove glibc's temporary semaphore files that a killed process left: ``sem_open`` creates
+    a semaphore as ``sem.XXXXXX``, links it to its name and unlinks the temporary name within
+    microseconds -- a client killed in between leaves it, under no name of ours. Only this user's
+    regular files of that exact pattern, of a semaphore's size and older than ``min_age`` seconds
+    go: nobody can be using one."""
+    removed, uid, now = 0, os.getuid(), time.time()
+    try:
+        entries = os.scandir(shm_dir)
+    except OSError:
+        return 0
+    with entries:
+        for e in entries:
+            if not _SEM_TEMP_RE.match(e.name):
+                continue
+            try:
+                st = e.stat(follow_symlinks=False)
+                if stat.S_ISREG(st.st_mode) and st.st_uid == uid and st.st_size <= 64 and \
+                        now - st.st_mtime > min_age:
+                    os.unlink(e.path)
+                    removed += 1
+            except OSError:
+                pass
+    return removed
+
+
 def sweep_namespace(namespace: str, shm_dir: str = SHM_DIR) -> int:
     """Remove the namespace's directory and every semaphore of it; returns how many entries went."""
     removed = 0
@@ -223,7 +337,7 @@ def sweep_namespace(namespace: str, shm_dir: str = SHM_DIR) -> int:
         if entry.startswith("sem."):
             unlink_sem("/" + entry[4:])
         else:
-            shutil.rmtree(os.path.join(shm_dir, entry), ignore_errors=True)
+            remove_tree(os.path.join(shm_dir, entry))
         removed += 1
     return removed
 
@@ -258,4 +372,10 @@ def sweep_dead_namespaces(shm_dir: str = SHM_DIR) -> int:
         m = _NS_RE.match(ns)
         if m and not pid_alive(int(m.group(1))):
             spaces.add(ns)
-    return sum(sweep_namespace(ns, shm_dir) for ns in spaces)
+    removed = sweep_semaphore_temps(shm_dir=shm_dir)
+    for ns in spaces:
+        try:   # what a dead run's clients left there must not stop a new run from starting
+            removed += sweep_namespace(ns, shm_dir)
+        except Exception:  # noqa: BLE001
+            logger.warning("could not remove the leftovers of %s", ns, exc_info=True)
+    return removed

@@ -52,6 +52,7 @@ Why it cannot cross, lose or wedge:
 """
 from __future__ import annotations
 
+import errno
 import fcntl
 import logging
 import math
@@ -411,7 +412,9 @@ def _lock_free_index(namespace: str, model: str, table: SlotTable, max_slots: in
     states = table.state.copy()
     order = np.concatenate([np.flatnonzero(states == FREE), np.flatnonzero(states != FREE)])
     for i in map(int, order):
-        fd = os.open(lock_path(namespace, model, i), os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
+        fd = _open_lock(lock_path(namespace, model, i))
+        if fd is None:
+            continue
         if not try_lock(fd):
             os.close(fd)
             continue
@@ -419,6 +422,25 @@ def _lock_free_index(namespace: str, model: str, table: SlotTable, max_slots: in
         return i, fd
     raise SlotsExhausted(f"model {model!r}: all {max_slots} client slots are in use "
                          f"(raise ModelConfig.max_clients)")
+
+
+def _open_lock(path: str) -> Optional[int]:
+    """Open (or create) the lock file at ``path``. Whatever else a client put there -- a
+    directory, a symlink, a FIFO: no client can hold a lock on it -- is removed first; None if
+    the path still holds no lock file after that."""
+    for _ in range(2):
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, 0o600)
+        except OSError as e:
+            if e.errno in (errno.EMFILE, errno.ENFILE):
+                raise
+            unlink_file(path)
+            continue
+        if stat.S_ISREG(os.fstat(fd).st_mode):
+            return fd
+        os.close(fd)
+        unlink_file(path)
+    return None
 
 
 def _unlink_slot_objects(namespace: str, model: str, slot: int, token: int) -> None:
@@ -434,21 +456,30 @@ def reap_dead(namespace: str, model: str, table: SlotTable) -> List[int]:
     Called by the runtime's supervisor; returns the reaped slot indices."""
     reaped = []
     for i in map(int, np.flatnonzero(table.state != FREE)):
+        path = lock_path(namespace, model, i)
         try:
-            fd = os.open(lock_path(namespace, model, i), os.O_RDWR | os.O_CLOEXEC)
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
         except FileNotFoundError:
             table.state[i] = FREE  # never attached: a stray hint
             continue
+        except OSError:
+            fd = None   # a directory, a symlink...: not a lock anyone can hold
         try:
-            if not try_lock(fd):
-                continue  # its owner is alive
-            if table.state[i] == FREE:
-                continue  # detached cleanly meanwhile
+            if fd is not None and stat.S_ISREG(os.fstat(fd).st_mode):
+                if not try_lock(fd):
+                    continue  # its owner is alive
+                if table.state[i] == FREE:
+                    continue  # detached cleanly meanwhile
+            else:   # what a client put at the lock path: remove it with the slot's objects
+                unlink_file(path)
             _unlink_slot_objects(namespace, model, i, int(table.token[i]))
             table.state[i] = FREE
             reaped.append(i)
+        except OSError:   # one slot's trouble must not stop the reaper (nor its caller)
+            logger.debug("reaping slot %d of model %r failed", i, model, exc_info=True)
         finally:
-            os.close(fd)  # releases our lock
+            if fd is not None:
+                os.close(fd)  # releases our lock
     return reaped
 
 

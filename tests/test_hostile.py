@@ -410,6 +410,47 @@ def test_a_forged_token_in_a_claimed_clients_row_does_not_lose_its_answer(start_
     _honest(rt, "affine")
 
 
+def test_a_client_that_rewrites_its_own_header_and_row_seq_gets_an_error_not_a_hang(start_runtime, gate):
+    # While its request waits, a client breaks its own REQUEST header (magic) and gives its row
+    # another seq. The model process can only answer under the row's seq; the caller must find
+    # that answer (ClientSlot.answered_under_another_seq) and raise, not wait forever.
+    rt = start_runtime(cpu_model("gated", functools.partial(models.gated, gate.name), max_batch_size=1))
+    pids = _pids(rt, "gated")
+    blocker = SharedModel("gated", max_shape=(1, 2), namespace=rt.namespace)
+    t_block, blocked = _gated_call(blocker, gate)  # the only model process waits in forward
+    # A poll interval far longer than this test's steps: the caller does not repair its row
+    # before the model process has claimed the request.
+    victim = SharedModel("gated", max_shape=(1, 2), namespace=rt.namespace, poll_interval=1.0)
+    x = np.full((1, 2), 3.0, np.float32)
+    out = {}
+
+    def call():
+        try:
+            out["y"] = victim.forward(x, timeout=30)
+        except BaseException as e:  # noqa: BLE001 - the test inspects it
+            out["e"] = e
+
+    t = threading.Thread(target=call)
+    t.start()
+    table, claims = rt.tables["gated"], rt.ctls["gated"].claims
+    _wait_for(lambda: victim._h.busy and table.state[next(iter(victim._h.busy)).index] == PUBLISHED)
+    slot = next(iter(victim._h.busy))
+    i, seq = slot.index, slot.seq
+    slot._req["magic"] = 0
+    table.seq[i] = seq + 100
+    gate.open()
+    t.join(30)
+    assert not t.is_alive()
+    assert isinstance(out.get("e"), ValueError) and "does not belong to this slot" in str(out["e"]), out
+    assert int(claims["seq"][i]) == seq + 100   # answered under the row's seq: the path tested
+    t_block.join(30)
+    np.testing.assert_array_equal(blocked["y"], np.full((1, 2), models.GATE * 2 + 1, np.float32))
+    victim.close()
+    blocker.close()
+    _honest(rt, "gated")
+    assert _pids(rt, "gated") == pids
+
+
 def test_a_fresh_client_at_a_reused_index_is_served_at_once(start_runtime):
     # A failed claim is remembered per (token, seq): a new client of the same index starts at
     # seq 1 again and must not be mistaken for the old one.
@@ -925,3 +966,92 @@ def test_fake_slots_of_a_clients_own_do_not_fill_the_model_processes_descriptors
                 s.unlink()
                 s.close()
         attacker.close()
+
+
+# ninth round -------------------------------------------------------------------------------
+def test_junk_a_client_leaves_at_its_paths_never_stops_the_supervisor(start_runtime):
+    # A client replaces its own segment (and semaphore) with directories and dies; another
+    # plants directories at lock paths. Reaping them raised IsADirectoryError in the supervisor
+    # thread at every pass, so a killed model process was never restarted and new clients got a
+    # raw IsADirectoryError.
+    from simpledbi.layout import NEW, lock_path
+    rt = start_runtime(cpu_model("affine", models.affine, max_batch_size=4, max_clients=8))
+    ns = rt.namespace
+    code = ("import os, numpy as np; from simpledbi import SharedModel, shm; "
+            "from simpledbi.layout import segment_path, sem_name; "
+            f"m = SharedModel('affine', max_shape=(1, 2), namespace={ns!r}); "
+            "m.forward(np.ones((1, 2), np.float32)); s = m._h.idle[0]; "
+            f"p = segment_path({ns!r}, 'affine', s.index, s.token); os.unlink(p); os.mkdir(p); "
+            f"q = '/dev/shm/sem.' + sem_name({ns!r}, 'affine', s.index, s.token, 'rdy')[1:]; "
+            "os.unlink(q); os.mkdir(q); os.mkdir(os.path.join(q, 'x')); print(s.index, flush=True); os._exit(0)")
+    dead = int(subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                              check=True, timeout=120).stdout)
+    table = rt.tables["affine"]
+    for i in range(8):        # every other index: a directory where its lock file goes
+        if i != dead:
+            os.mkdir(lock_path(ns, "affine", i))
+    table.state[(dead + 1) % 8] = NEW   # one of them "attached"
+    _wait_for(lambda: table.state[dead] == FREE and table.state[(dead + 1) % 8] == FREE)
+    assert not any(n.startswith(f"affine.s{dead}.") for n in os.listdir(os.path.join(shm.SHM_DIR, ns))
+                   if not n.endswith(".lock"))
+    assert not [e for e in os.listdir(shm.SHM_DIR) if e.startswith(f"sem.{ns}.affine.s{dead}.")]
+    _honest(rt, "affine")     # a new client attaches: the junk at its lock path is removed
+    os.kill(_pids(rt, "affine")[0], signal.SIGKILL)   # and the supervisor still restarts
+    _wait_for(lambda: rt.ctls["affine"].instances["restarts"].sum() == 1
+              and all(shm.pid_alive(p) for p in _pids(rt, "affine")), timeout=120)
+    _honest(rt, "affine")
+
+
+def test_a_fifo_where_a_registration_or_control_block_goes_blocks_nobody(start_runtime):
+    # A FIFO blocks open() for reading until a writer comes: a client (or another user, in
+    # /dev/shm) could hang every runtime start, inspect() and attach by name or model.
+    import simpledbi
+    from simpledbi import naming
+    reg = os.path.join(shm.SHM_DIR, f"sdbi_rt_fifo{os.getpid()}")
+    os.mkfifo(reg)
+    try:
+        rt = start_runtime(cpu_model("affine", models.affine))   # sweeps registrations first
+        os.mkfifo(os.path.join(shm.SHM_DIR, rt.namespace, "nosuch.ctl"))
+        out = {}
+
+        def look():
+            out["reg"] = naming.read(f"fifo{os.getpid()}")
+            out["names"] = [r.name for r in naming.list_registrations()]
+            out["models"] = [m.name for m in simpledbi.inspect(namespace=rt.namespace).models]
+            try:
+                SharedModel("nosuch", max_shape=(1, 2), namespace=rt.namespace)
+            except LookupError as e:
+                out["lookup"] = str(e)
+
+        t = threading.Thread(target=look, daemon=True)
+        t.start()
+        t.join(30)
+        assert not t.is_alive(), "blocked opening a FIFO"
+        assert out["reg"] is None and out["models"] == ["affine"]
+        assert "no model named 'nosuch'" in out["lookup"] and "['affine']" in out["lookup"]
+        _honest(rt, "affine")
+    finally:
+        os.unlink(reg)
+
+
+def test_a_stuffed_doorbell_does_not_stall_the_other_clients(start_runtime, gate):
+    # A client posts the doorbell millions of times while the model process is busy: it used to
+    # take every post back in one go, in front of everyone's requests (seconds).
+    rt = start_runtime(cpu_model("gated", functools.partial(models.gated, gate.name), max_batch_size=4))
+    blocker = SharedModel("gated", max_shape=(1, 2), namespace=rt.namespace)
+    t, blocked = _gated_call(blocker, gate)
+    door = rt.doorbells["gated"]   # what every client can open and post
+    release = door.release
+    for _ in range(3_000_000):
+        release()
+    with SharedModel("gated", max_shape=(1, 2), namespace=rt.namespace) as honest:
+        x = np.full((1, 2), 2.0, np.float32)
+        t0 = time.monotonic()
+        gate.open()
+        np.testing.assert_array_equal(honest.forward(x, timeout=30), x * 2 + 1)
+        waited = time.monotonic() - t0
+    t.join(30)
+    assert "y" in blocked
+    assert waited < 0.5, f"an honest call waited {waited:.2f} s behind the stuffed doorbell"
+    blocker.close()
+    _honest(rt, "gated")
