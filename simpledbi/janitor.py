@@ -18,7 +18,7 @@ import time
 from .layout import STOPPING, ControlBlock
 from .mps import PrivateDaemon
 from .naming import unregister
-from .shm import SHM_DIR, sweep_namespace, sweep_semaphore_temps
+from .shm import SHM_DIR, sweep_namespace
 
 
 def janitor_main(namespace: str, conn, grace: float) -> None:
@@ -57,7 +57,6 @@ def janitor_main(namespace: str, conn, grace: float) -> None:
         for daemon in daemons:
             daemon.stop(grace)
     sweep_namespace(namespace)
-    sweep_semaphore_temps(0.5)
 
 
 def _mark_stopping(namespace: str) -> None:

@@ -474,8 +474,10 @@ class ModelServer:
         n, door = 0, self.door
         try:
             # sem_getvalue first where there is one: a failed trywait raises, which costs more
-            while n < _DRAIN_MAX and (not _SEM_VALUE or door.value > 0):
-                door.acquire(0)
+            todo = min(door.value, _DRAIN_MAX) if _SEM_VALUE else _DRAIN_MAX
+            take = door.acquire
+            while n < todo:
+                take(0)
                 n += 1
         except posix_ipc.BusyError:
             pass

@@ -46,7 +46,7 @@ from .layout import (
 from .model_process import ModelProcessSpec, model_process_main
 from .shm import (
     check_free_space, create_semaphore, new_namespace, open_semaphore, sweep_dead_namespaces,
-    sweep_namespace, sweep_semaphore_temps,
+    sweep_namespace,
 )
 from .slots import reap_dead
 from .worker import worker_main
@@ -665,7 +665,6 @@ class Runtime:
                     os.close(fd)
             if self.namespace is not None:
                 sweep_namespace(self.namespace)
-                sweep_semaphore_temps(0.5)   # what clients killed inside sem_open left
             if self._mps_daemon is not None:  # its clients, the model processes, are gone
                 self._mps_daemon.stop(self.options.join_timeout)
             if self._janitor is not None:

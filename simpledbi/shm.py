@@ -27,7 +27,7 @@ import re
 import secrets
 import stat
 import time
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import numpy as np
 import posix_ipc
@@ -197,10 +197,10 @@ def _unlink(path: str) -> None:
         pass
 
 
-def unlink_file(path: str) -> None:
-    """Remove what is at ``path`` -- whatever a client put there (a directory too). Never raises:
-    cleanup must go on."""
-    remove_tree(path)
+def unlink_file(path: str, trash: Optional[str] = None) -> None:
+    """Remove what is at ``path`` in O(1), whatever a client put there. Never raises: cleanup
+    must go on. See :func:`discard`."""
+    discard(path, trash)
 
 
 def unlink_sem(name: str) -> None:
@@ -209,79 +209,155 @@ def unlink_sem(name: str) -> None:
         posix_ipc.unlink_semaphore(name)
     except (posix_ipc.ExistentialError, posix_ipc.PermissionsError):
         pass  # gone already, or another user's
-    except (posix_ipc.Error, OSError):
-        remove_tree(os.path.join(SHM_DIR, "sem." + name.lstrip("/")))   # not a semaphore
+    except (posix_ipc.Error, OSError):   # not a semaphore: set it aside in its namespace
+        base = name.lstrip("/")
+        discard(os.path.join(SHM_DIR, "sem." + base), os.path.join(SHM_DIR, base.split(".", 1)[0]))
 
 
-def remove_tree(path: str) -> None:
-    """Remove ``path`` and, if it is a directory, everything in it. Never raises, never follows a
-    symlink, and never recurses: a client can nest directories deeper than Python's recursion
-    limit (``shutil.rmtree`` then raises RecursionError) or than PATH_MAX. A non-empty
-    subdirectory's own subdirectories are moved up into the top directory first, so no more than
-    two directories are open at any time and the work is linear in the number of entries."""
+def _open_parent(path: str) -> Tuple[Optional[int], str]:
+    """A descriptor on ``path``'s directory -- refused if that directory is a symlink (a client
+    that swaps the namespace directory for a link must not make the runtime delete elsewhere) --
+    and the last component."""
+    parent, name = os.path.split(path)
     try:
-        os.unlink(path)
-        return
-    except FileNotFoundError:
-        return
+        return os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC), name
     except OSError as e:
-        if e.errno not in (errno.EISDIR, errno.EPERM):
+        logger.debug("not removing %s: %s", path, e)
+        return None, name
+
+
+def discard(path: str, trash: Optional[str] = None) -> None:
+    """Remove the file or link at ``path``; a directory (which a client may put where a file of
+    the runtime goes) is removed if empty, else renamed aside -- into ``trash`` (a namespace
+    directory) when given, else next to it -- to go with its namespace (:func:`remove_tree`):
+    constant work, whatever the client keeps adding to it. Never raises."""
+    pfd, name = _open_parent(path)
+    if pfd is None:
+        return
+    try:
+        try:
+            os.unlink(name, dir_fd=pfd)
+            return
+        except FileNotFoundError:
+            return
+        except OSError as e:
+            if e.errno not in (errno.EISDIR, errno.EPERM):
+                return
+        try:
+            os.rmdir(name, dir_fd=pfd)
+            return
+        except OSError:
+            pass
+        tfd = pfd
+        if trash is not None:
+            try:
+                tfd = os.open(trash, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            except OSError:
+                return
+        try:
+            os.rename(name, f".junk.{secrets.token_hex(8)}", src_dir_fd=pfd, dst_dir_fd=tfd)
+        except OSError as e:
+            logger.debug("could not set %s aside: %s", path, e)
+        finally:
+            if tfd != pfd:
+                os.close(tfd)
+    finally:
+        os.close(pfd)
+
+
+def remove_tree(path: str, budget: float = 5.0) -> None:
+    """Remove ``path`` and, if it is a directory, everything in it. Never raises, never follows a
+    symlink (``path``'s own directory included), and never recurses: a client can nest
+    directories deeper than Python's recursion limit (``shutil.rmtree`` then raises
+    RecursionError) or than PATH_MAX. A non-empty subdirectory's own subdirectories are moved up
+    into the top directory first, so no more than two directories are open at any time and the
+    work is linear in the number of entries; a client that keeps adding entries is given up on
+    after ``budget`` seconds (logged)."""
+    pfd, base = _open_parent(path)
+    if pfd is None:
+        return
+    try:
+        try:
+            os.unlink(base, dir_fd=pfd)
+            return
+        except FileNotFoundError:
+            return
+        except OSError as e:
+            if e.errno not in (errno.EISDIR, errno.EPERM):
+                logger.debug("could not remove %s: %s", path, e)
+                return
+        try:
+            top = os.open(base, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=pfd)
+        except OSError as e:
             logger.debug("could not remove %s: %s", path, e)
             return
-    try:
-        top = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError as e:
-        logger.debug("could not remove %s: %s", path, e)
-        return
-    deadline = time.monotonic() + 60.0   # entries added as fast as they go: give up, logged
-    try:
-        moved, progress = 0, True
-        while progress:
-            if time.monotonic() > deadline:
-                logger.warning("gave up removing %s after 60 s: entries keep appearing", path)
-                return
-            progress = False
-            with os.scandir(top) as entries:
-                names = [(e.name, e.is_dir(follow_symlinks=False)) for e in entries]
-            for name, is_dir in names:
+        try:
+            _empty(top, path, time.monotonic() + budget)
+            os.rmdir(base, dir_fd=pfd)
+        except OSError as e:
+            logger.debug("could not remove %s: %s", path, e)
+        finally:
+            os.close(top)
+    finally:
+        os.close(pfd)
+
+
+def _empty(top: int, path: str, deadline: float) -> None:
+    """:func:`remove_tree`'s work: remove what is in the directory open at ``top``."""
+    moved, progress = 0, True
+    while progress:
+        if time.monotonic() > deadline:
+            logger.warning("gave up removing %s: entries keep appearing", path)
+            return
+        progress = False
+        with os.scandir(top) as entries:
+            names = []
+            for e in entries:   # a directory that keeps growing: list no more than the budget
+                names.append((e.name, e.is_dir(follow_symlinks=False)))
+                if len(names) % 4096 == 0 and time.monotonic() > deadline:
+                    break
+        for name, is_dir in names:
+            try:
+                if not is_dir:
+                    os.unlink(name, dir_fd=top)
+                    progress = True
+                    continue
                 try:
-                    if not is_dir:
-                        os.unlink(name, dir_fd=top)
-                        progress = True
-                        continue
-                    try:
-                        os.rmdir(name, dir_fd=top)
-                        progress = True
-                        continue
-                    except OSError as e:
-                        if e.errno != errno.ENOTEMPTY:
-                            raise
-                    sub = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
-                                  dir_fd=top)
-                    try:
-                        with os.scandir(sub) as inner:
-                            below = [(e.name, e.is_dir(follow_symlinks=False)) for e in inner]
-                        for n2, d2 in below:
-                            if d2:
-                                moved += 1
-                                os.rename(n2, f".rm{moved}_{secrets.token_hex(4)}", src_dir_fd=sub,
-                                          dst_dir_fd=top)
-                            else:
-                                os.unlink(n2, dir_fd=sub)
-                            progress = True
-                    finally:
-                        os.close(sub)
                     os.rmdir(name, dir_fd=top)
                     progress = True
-                except FileNotFoundError:
-                    progress = True
+                    continue
                 except OSError as e:
-                    logger.debug("could not remove %s/%s: %s", path, name, e)
-        os.rmdir(path)
-    except OSError as e:
-        logger.debug("could not remove %s: %s", path, e)
-    finally:
-        os.close(top)
+                    if e.errno != errno.ENOTEMPTY:
+                        raise
+                sub = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                              dir_fd=top)
+                try:
+                    with os.scandir(sub) as inner:
+                        below = []
+                        for e in inner:
+                            below.append((e.name, e.is_dir(follow_symlinks=False)))
+                            if len(below) % 4096 == 0 and time.monotonic() > deadline:
+                                break
+                    for n2, d2 in below:
+                        if time.monotonic() > deadline:
+                            break
+                        if d2:
+                            moved += 1
+                            os.rename(n2, f".rm{moved}_{secrets.token_hex(4)}", src_dir_fd=sub,
+                                      dst_dir_fd=top)
+                        else:
+                            os.unlink(n2, dir_fd=sub)
+                        progress = True
+                finally:
+                    os.close(sub)
+                os.rmdir(name, dir_fd=top)
+                progress = True
+            except FileNotFoundError:
+                progress = True
+            except OSError as e:
+                logger.debug("could not remove %s/%s: %s", path, name, e)
+            if time.monotonic() > deadline:
+                break
 
 
 def create_semaphore(name: str, initial: int = 0) -> posix_ipc.Semaphore:
@@ -299,35 +375,6 @@ def list_namespace(namespace: str, shm_dir: str = SHM_DIR) -> List[str]:
     except OSError:
         return []
     return [e for e in entries if e == namespace or e.startswith("sem." + namespace + ".")]
-
-
-_SEM_TEMP_RE = re.compile(r"^sem\.[A-Za-z0-9]{6}$")
-
-
-def sweep_semaphore_temps(min_age: float = 2.0, shm_dir: str = SHM_DIR) -> int:
-    """Remove glibc's temporary semaphore files that a killed process left: ``sem_open`` creates
-    a semaphore as ``sem.XXXXXX``, links it to its name and unlinks the temporary name within
-    microseconds -- a client killed in between leaves it, under no name of ours. Only this user's
-    regular files of that exact pattern, of a semaphore's size and older than ``min_age`` seconds
-    go: nobody can be using one."""
-    removed, uid, now = 0, os.getuid(), time.time()
-    try:
-        entries = os.scandir(shm_dir)
-    except OSError:
-        return 0
-    with entries:
-        for e in entries:
-            if not _SEM_TEMP_RE.match(e.name):
-                continue
-            try:
-                st = e.stat(follow_symlinks=False)
-                if stat.S_ISREG(st.st_mode) and st.st_uid == uid and st.st_size <= 64 and \
-                        now - st.st_mtime > min_age:
-                    os.unlink(e.path)
-                    removed += 1
-            except OSError:
-                pass
-    return removed
 
 
 def sweep_namespace(namespace: str, shm_dir: str = SHM_DIR) -> int:
@@ -372,7 +419,7 @@ def sweep_dead_namespaces(shm_dir: str = SHM_DIR) -> int:
         m = _NS_RE.match(ns)
         if m and not pid_alive(int(m.group(1))):
             spaces.add(ns)
-    removed = sweep_semaphore_temps(shm_dir=shm_dir)
+    removed = 0
     for ns in spaces:
         try:   # what a dead run's clients left there must not stop a new run from starting
             removed += sweep_namespace(ns, shm_dir)

@@ -424,16 +424,23 @@ def _lock_free_index(namespace: str, model: str, table: SlotTable, max_slots: in
                          f"(raise ModelConfig.max_clients)")
 
 
+#: what opening a lock path gives when a client put something else there: a directory, a
+#: symlink (O_NOFOLLOW), a socket
+_NOT_A_LOCK = (errno.EISDIR, errno.ELOOP, errno.ENXIO)
+
+
 def _open_lock(path: str) -> Optional[int]:
     """Open (or create) the lock file at ``path``. Whatever else a client put there -- a
-    directory, a symlink, a FIFO: no client can hold a lock on it -- is removed first; None if
-    the path still holds no lock file after that."""
+    directory, a symlink, a FIFO: no client can hold a lock on it -- is set aside first (in
+    constant time: :func:`shm.discard`); None if the path still holds no lock file after that."""
     for _ in range(2):
         try:
             fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, 0o600)
         except OSError as e:
             if e.errno in (errno.EMFILE, errno.ENFILE):
                 raise
+            if e.errno not in _NOT_A_LOCK:
+                return None
             unlink_file(path)
             continue
         if stat.S_ISREG(os.fstat(fd).st_mode):
@@ -462,16 +469,22 @@ def reap_dead(namespace: str, model: str, table: SlotTable) -> List[int]:
         except FileNotFoundError:
             table.state[i] = FREE  # never attached: a stray hint
             continue
-        except OSError:
-            fd = None   # a directory, a symlink...: not a lock anyone can hold
+        except OSError as e:
+            if e.errno not in _NOT_A_LOCK:
+                continue   # out of descriptors, say: nothing to conclude about the slot
+            fd = None
         try:
-            if fd is not None and stat.S_ISREG(os.fstat(fd).st_mode):
-                if not try_lock(fd):
-                    continue  # its owner is alive
-                if table.state[i] == FREE:
-                    continue  # detached cleanly meanwhile
-            else:   # what a client put at the lock path: remove it with the slot's objects
+            if fd is None or not stat.S_ISREG(os.fstat(fd).st_mode):
+                # A directory, a symlink...: what a client put at the lock path. Whether the
+                # slot's owner is alive (holding its lock on the file that was there) cannot be
+                # told, so only the junk goes; the row is handled next time, like any row whose
+                # lock file is missing.
                 unlink_file(path)
+                continue
+            if not try_lock(fd):
+                continue  # its owner is alive
+            if table.state[i] == FREE:
+                continue  # detached cleanly meanwhile
             _unlink_slot_objects(namespace, model, i, int(table.token[i]))
             table.state[i] = FREE
             reaped.append(i)

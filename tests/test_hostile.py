@@ -1055,3 +1055,30 @@ def test_a_stuffed_doorbell_does_not_stall_the_other_clients(start_runtime, gate
     assert waited < 0.5, f"an honest call waited {waited:.2f} s behind the stuffed doorbell"
     blocker.close()
     _honest(rt, "gated")
+
+
+def test_junk_at_a_live_clients_lock_path_does_not_take_its_slot(start_runtime):
+    # Someone replaces a live client's lock file with a directory: the reaper cannot tell
+    # whether the owner lives (it holds its lock on the file that was there), so it must only
+    # set the junk aside -- not unlink the client's segment and semaphores.
+    from simpledbi.layout import lock_path
+    rt = start_runtime(cpu_model("affine", models.affine, max_batch_size=4))
+    victim = SharedModel("affine", max_shape=(1, 2), namespace=rt.namespace)
+    x = np.full((1, 2), 5.0, np.float32)
+    np.testing.assert_array_equal(victim.forward(x, timeout=10), x * 2 + 1)
+    path = lock_path(rt.namespace, "affine", victim._h.idle[0].index)
+    os.unlink(path)
+    os.mkdir(path)
+    os.mkdir(os.path.join(path, "x"))
+    _wait_for(lambda: not os.path.isdir(path))   # set aside by the reaper
+    _wait_for(lambda: rt.tables["affine"].state[victim._h.idle[0].index] == FREE)  # a row whose lock is missing
+    slot = victim._h.idle[0]
+    from simpledbi.layout import segment_path, sem_name
+    assert os.path.exists(segment_path(rt.namespace, "affine", slot.index, slot.token))
+    assert os.path.exists(os.path.join(shm.SHM_DIR, "sem." + sem_name(rt.namespace, "affine", slot.index,
+                                                                      slot.token, "rdy")[1:]))
+    for v in (6.0, 7.0, 8.0):
+        y = np.full((1, 2), v, np.float32)
+        np.testing.assert_array_equal(victim.forward(y, timeout=10), y * 2 + 1)
+    victim.close()
+    _honest(rt, "affine")

@@ -100,27 +100,83 @@ def test_a_namespace_a_client_nested_deeply_is_swept_and_does_not_block_the_next
     assert ns not in os.listdir(shm.SHM_DIR)
 
 
-def test_semaphore_temporaries_left_by_killed_processes_are_swept():
-    # glibc creates a semaphore as sem.XXXXXX, then links it to its name: a process killed in
-    # between leaves the temporary. Only old, semaphore-sized regular files of that pattern go.
-    names = {n: f"sem.{n}" for n in ("Zq3xY1", "Zq3xY2", "Zq3xY3")}
-    paths = {n: os.path.join(shm.SHM_DIR, f) for n, f in names.items()}
-    old = os.stat(shm.SHM_DIR).st_mtime - 3600
+def test_nothing_is_removed_through_a_symlinked_directory(tmp_path):
+    # A client that swaps the namespace directory for a symlink must not make the runtime
+    # delete where the link points.
+    real = tmp_path / "elsewhere"
+    (real / "m.s0.lock").mkdir(parents=True)
+    (real / "m.s0.lock" / "x").write_text("x")
+    (real / "f").write_text("f")
+    link = tmp_path / "ns"
+    os.symlink(real, link)
+    shm.remove_tree(str(link / "m.s0.lock"))
+    shm.discard(str(link / "f"))
+    shm.discard(str(link / "m.s0.lock"))
+    assert (real / "m.s0.lock" / "x").read_text() == "x" and (real / "f").read_text() == "f"
+
+
+def test_removal_gives_up_on_a_directory_that_keeps_growing(tmp_path):
+    import threading
+    top = tmp_path / "junk"
+    top.mkdir()
+    stop = threading.Event()
+
+    def refill():   # a client that keeps adding directories while the runtime removes them
+        k = 0
+        while not stop.is_set():
+            k += 1
+            try:
+                os.makedirs(top / f"d{k}" / "e", exist_ok=True)
+            except OSError:
+                pass
+
+    t = threading.Thread(target=refill)
+    t.start()
     try:
-        for n in ("Zq3xY1", "Zq3xY2"):
-            with open(paths[n], "wb") as f:
-                f.write(bytes(32))
-        os.utime(paths["Zq3xY1"], (old, old))          # orphaned an hour ago: removed
-        os.mkdir(paths["Zq3xY3"])                       # not a file: kept
-        os.utime(paths["Zq3xY3"], (old, old))
-        other = os.path.join(shm.SHM_DIR, "sem.Zq3xY12")  # not the pattern: kept
-        with open(other, "wb") as f:
-            f.write(bytes(32))
-        os.utime(other, (old, old))
-        assert shm.sweep_semaphore_temps() >= 1
-        assert not os.path.exists(paths["Zq3xY1"])
-        assert os.path.exists(paths["Zq3xY2"])          # fresh: maybe inside sem_open right now
-        assert os.path.isdir(paths["Zq3xY3"]) and os.path.exists(other)
+        done = threading.Event()
+        remover = threading.Thread(target=lambda: (shm.remove_tree(str(top), budget=0.5), done.set()))
+        remover.start()
+        assert done.wait(30), "remove_tree did not give up on a growing directory"
     finally:
-        for p in list(paths.values()) + [os.path.join(shm.SHM_DIR, "sem.Zq3xY12")]:
-            shm.remove_tree(p)
+        stop.set()
+        t.join(30)
+    shm.remove_tree(str(top), budget=30)
+    assert not top.exists()
+
+
+def test_a_directory_at_a_lock_path_is_set_aside_in_constant_time(tmp_path):
+    # Attach (slots._open_lock) and the reaper set junk aside with one rename, whatever is in it.
+    from simpledbi.slots import _open_lock
+    lock = tmp_path / "m.s0.lock"
+    lock.mkdir()
+    for k in range(2000):
+        (lock / f"d{k}").mkdir()
+    fd = _open_lock(str(lock))
+    assert fd is not None
+    os.close(fd)
+    assert lock.is_file()
+    aside = [p for p in tmp_path.iterdir() if p.name.startswith(".junk.")]
+    assert len(aside) == 1 and len(list(aside[0].iterdir())) == 2000
+
+
+def test_another_programs_semaphore_is_never_swept():
+    # A semaphore of someone else with a short name (sem.XXXXXX, like glibc's temporaries)
+    # survives a runtime's start and stop.
+    from simpledbi import ModelConfig, Runtime
+    name = "/Zq" + os.urandom(2).hex()
+    sem = posix_ipc.Semaphore(name, posix_ipc.O_CREX, initial_value=1)
+    path = os.path.join(shm.SHM_DIR, "sem." + name[1:])
+    old = os.stat(path).st_mtime - 3600
+    os.utime(path, (old, old))
+    try:
+        with Runtime([ModelConfig(name="noop", factory=_identity, device="cpu", num_threads=1)]):
+            pass
+        assert os.path.exists(path)
+    finally:
+        sem.unlink()
+        sem.close()
+
+
+def _identity():
+    import torch
+    return torch.nn.Identity()
