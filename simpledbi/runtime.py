@@ -23,14 +23,17 @@ the namespace.
 """
 from __future__ import annotations
 
+import atexit
 import collections
 import dataclasses
+import functools
 import logging
 import multiprocessing as mp
 import os
 import signal
 import threading
 import time
+import weakref
 from multiprocessing.connection import wait
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -118,6 +121,7 @@ class Runtime:
         self._failures: Dict[str, collections.deque] = {m.name: collections.deque() for m in models}
         self._restart_at: Dict[Tuple[str, int], float] = {}
         self._reap_failed = False   # a reaping error was logged (once)
+        self._at_exit: Optional[Callable[[], None]] = None   # shutdown at interpreter exit (start)
         self._retired: List[_ModelProc] = []        # replaced by a reload, maybe still finishing
         self._loading: List[_ModelProc] = []        # a reload's new processes, before the switch
         self._lifecycle_lock = threading.RLock()     # restarts vs. a reload's switch
@@ -136,6 +140,11 @@ class Runtime:
         if self._started:
             return self
         self._started = True
+        # A script that starts a runtime and then ends -- or raises -- without shutdown(): at
+        # exit, multiprocessing joins its non-daemon children, the janitor among them, which
+        # waits for this process to go: it hung for good. This runs first (atexit is LIFO).
+        self._at_exit = functools.partial(_shutdown_at_exit, weakref.ref(self))
+        atexit.register(self._at_exit)
         try:
             sweep_dead_namespaces()
             naming.sweep_dead_registrations()
@@ -641,6 +650,9 @@ class Runtime:
         if self._closed:
             return
         self._closed = True
+        if self._at_exit is not None:
+            atexit.unregister(self._at_exit)
+            self._at_exit = None
         restore = None
         if threading.current_thread() is threading.main_thread():
             restore = signal.signal(signal.SIGINT, signal.SIG_IGN)  # finish cleaning up first
@@ -787,3 +799,10 @@ def _guard_hint(m: _ModelProc) -> str:
     return (f". {os.path.basename(path)} has no `if __name__ == \"__main__\":` guard: model processes "
             f"are started with 'spawn' and re-import the main script, so the code that starts the "
             f"runtime must sit under that guard")
+
+
+def _shutdown_at_exit(ref: "weakref.ref[Runtime]") -> None:
+    """atexit: shut down a runtime its program left running."""
+    rt = ref()
+    if rt is not None:
+        rt.shutdown()

@@ -204,3 +204,16 @@ def test_a_script_without_the_main_guard_is_told_what_is_missing():
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("simpledbi.errors.ModelProcessDied") and "guard" in last, proc.stderr[-3000:]
     assert "AssertionError" not in proc.stderr and "leaked" not in proc.stderr
+
+
+@pytest.mark.parametrize("ending", ["raise AttributeError('boom')", "pass"])
+def test_a_program_that_ends_without_shutdown_exits_and_leaves_nothing(ending):
+    # Runtime.start() and then the script ends -- or raises -- without shutdown(): at exit,
+    # multiprocessing joined the janitor, which waited for the script to go: it never exited.
+    code = ("from simpledbi import ModelConfig, Runtime; from tests import models\n"
+            "rt = Runtime([ModelConfig(name='m', factory=models.affine, device='cpu', num_threads=1)])\n"
+            "rt.start(); print(rt.namespace, flush=True)\n" + ending)
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=90)
+    assert p.returncode == (1 if ending.startswith("raise") else 0), p.stderr
+    ns = p.stdout.split()[0]
+    assert not [e for e in os.listdir("/dev/shm") if ns in e]
