@@ -226,6 +226,21 @@ def _open_parent(path: str) -> Tuple[Optional[int], str]:
         return None, name
 
 
+def _is_directory_left(pfd: int, name: str, path: str) -> bool:
+    """Unlink ``name`` in the directory open at ``pfd``; True if it is a directory instead
+    (unlink refuses those), False once nothing is left there or it cannot be removed."""
+    try:
+        os.unlink(name, dir_fd=pfd)
+        return False
+    except FileNotFoundError:
+        return False
+    except OSError as e:
+        if e.errno in (errno.EISDIR, errno.EPERM):
+            return True
+        logger.debug("could not remove %s: %s", path, e)
+        return False
+
+
 def discard(path: str, trash: Optional[str] = None) -> None:
     """Remove the file or link at ``path``; a directory (which a client may put where a file of
     the runtime goes) is removed if empty, else renamed aside -- into ``trash`` (a namespace
@@ -235,14 +250,8 @@ def discard(path: str, trash: Optional[str] = None) -> None:
     if pfd is None:
         return
     try:
-        try:
-            os.unlink(name, dir_fd=pfd)
+        if not _is_directory_left(pfd, name, path):
             return
-        except FileNotFoundError:
-            return
-        except OSError as e:
-            if e.errno not in (errno.EISDIR, errno.EPERM):
-                return
         try:
             os.rmdir(name, dir_fd=pfd)
             return
@@ -277,15 +286,8 @@ def remove_tree(path: str, budget: float = 5.0) -> None:
     if pfd is None:
         return
     try:
-        try:
-            os.unlink(base, dir_fd=pfd)
+        if not _is_directory_left(pfd, base, path):
             return
-        except FileNotFoundError:
-            return
-        except OSError as e:
-            if e.errno not in (errno.EISDIR, errno.EPERM):
-                logger.debug("could not remove %s: %s", path, e)
-                return
         try:
             top = os.open(base, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=pfd)
         except OSError as e:
