@@ -197,7 +197,9 @@ class SharedModel:
         if namespace is None and runtime is None:
             running = [r.name for r in naming.list_registrations() if pid_alive(r.pid)]
             raise LookupError("no simpledbi runtime here: this process was not started by "
-                              "simpledbi.Run; pass runtime='<name>' or set $" + naming.ENV_RUNTIME
+                              "simpledbi.Run; pass runtime='<name>' (a runtime started with a "
+                              "name), namespace=rt.namespace (a Runtime started in this process) "
+                              "or set $" + naming.ENV_RUNTIME
                               + (f" (running now: {', '.join(running)})" if running else
                                  " (none is running: start one with `simpledbi serve --name <name>`)"))
         self._args = (max_shape, dtype)
@@ -254,9 +256,13 @@ class SharedModel:
         """Attach to the runtime named ``self.runtime`` (not to namespace ``avoid``: the one
         that went away), waiting for it to come up until ``deadline`` -- the connect timeout's,
         or a call's (``call_timeout`` seconds), whichever ends first."""
-        pause = 0.01
+        pause, told = 0.01, False
         while True:
             reg = naming.resolve(self.runtime)
+            if reg is None and not told and avoid is None:
+                told = True   # a typo would otherwise be connect_timeout seconds of silence
+                logger.warning("no simpledbi runtime named %r is running yet; waiting up to %.3g s "
+                               "for it (connect_timeout)", self.runtime, deadline - time.monotonic())
             if reg is not None and reg.namespace != avoid:
                 if self.name not in reg.models:
                     raise LookupError(f"runtime {self.runtime!r} serves {list(reg.models)}, not "
@@ -319,6 +325,8 @@ class SharedModel:
         namedtuple (same type name and fields). Raises ``TimeoutError`` when ``timeout``
         seconds pass first.
         """
+        if self._closed:
+            raise RuntimeStopped(f"SharedModel({self.name!r}) is closed")
         arrays, as_torch, names, positions = self._validate(inputs, named)
         if timeout is not None and not (isinstance(timeout, (int, float)) and timeout >= 0):
             raise ValueError(f"timeout: expected None or seconds >= 0, got {timeout!r}")
@@ -554,7 +562,8 @@ class SharedModel:
     def _check_shape(self, x: np.ndarray, p: int, max_s: Tuple[int, ...]) -> None:
         """Input ``x`` at position ``p`` must fit ``max_s``; remembered in ``_fits`` once it does."""
         if x.ndim != len(max_s):
-            raise ValueError(f"input {self._label(p)}: expected {len(max_s)} dimensions (rows first, "
+            raise ValueError(f"input {self._label(p)}: expected {len(max_s)} dimension"
+                             f"{'' if len(max_s) == 1 else 's'} (rows first, "
                              f"at most {max_s}), got shape {x.shape}")
         if x.shape[0] < 1 or x.shape[0] > max_s[0]:
             raise ValueError(f"input {self._label(p)}: expected 1..{max_s[0]} rows, got {x.shape[0]} "

@@ -609,6 +609,25 @@ class ModelServer:
             peer.inflight -= 1
             self._reject(peer, e.seq, str(e))
             return None
+        c = slot * CLAIM_WORDS
+        if req.seq <= peer.answered_seq or (self._claims_u[c + CL_TOKEN] == peer.token and
+                                            self.claim_words[c + CL_SEQ] >= req.seq):
+            # A token for a request already claimed: its owner posted ``rdy`` again (only the
+            # owner can). Running it again would cost a forward per post; it gets nothing --
+            # unless its row says a newer request waits: then the header was not rewritten.
+            peer.inflight -= 1
+            self._failed[slot] = (token, seq_hint)
+            if req.seq < seq_hint < 2**62:
+                write_claim(self.claim_words, slot, token, seq_hint, self.me, self.pid)
+                self._reject(peer, seq_hint, f"the request header says seq {req.seq}, answered "
+                             f"already, but the slot's row says {seq_hint}: the header was not "
+                             f"rewritten")
+                return None
+            if not peer.warned:
+                peer.warned = True
+                logger.warning("%s slot %d posted its token again for request %d, answered or "
+                               "claimed already: ignored", self.tag, slot, req.seq)
+            return None
         write_claim(self.claim_words, slot, token, req.seq, self.me, self.pid)
         peer.last_ok = now
         first = self._first_seen.pop(slot, None)

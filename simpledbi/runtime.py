@@ -35,6 +35,7 @@ import threading
 import time
 import weakref
 from multiprocessing.connection import wait
+from multiprocessing.reduction import ForkingPickler
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from . import mps, naming
@@ -48,9 +49,10 @@ from .layout import (
 )
 from .model_process import ModelProcessSpec, model_process_main
 from .shm import (
-    check_free_space, create_semaphore, new_namespace, open_semaphore, sweep_dead_namespaces,
+    check_free_space, create_semaphore, new_namespace, sweep_dead_namespaces,
     sweep_namespace,
 )
+from .foreign_sem import ForeignSemaphore
 from .slots import reap_dead
 from .worker import worker_main
 
@@ -139,6 +141,7 @@ class Runtime:
     def start(self) -> "Runtime":
         if self._started:
             return self
+        _check_startable(self.models, self.ctx.get_start_method())
         self._started = True
         # A script that starts a runtime and then ends -- or raises -- without shutdown(): at
         # exit, multiprocessing joins its non-daemon children, the janitor among them, which
@@ -410,12 +413,14 @@ class Runtime:
             self._post_done(name, slot, int(table.token[slot]))
 
     def _post_done(self, name: str, slot: int, token: int) -> None:
+        # Through the kernel only: a client that truncated its semaphore must not make a SIGBUS
+        # in the supervisor (foreign_sem).
         try:
-            sem = open_semaphore(sem_name(self.namespace, name, slot, token, "don"))
+            sem = ForeignSemaphore(sem_name(self.namespace, name, slot, token, "don"), readable=False)
         except Exception:  # noqa: BLE001 - the client is gone
             return
         try:
-            sem.release()
+            sem.post()
         finally:
             sem.close()
 
@@ -799,6 +804,22 @@ def _guard_hint(m: _ModelProc) -> str:
     return (f". {os.path.basename(path)} has no `if __name__ == \"__main__\":` guard: model processes "
             f"are started with 'spawn' and re-import the main script, so the code that starts the "
             f"runtime must sit under that guard")
+
+
+def _check_startable(models: Sequence[ModelConfig], start_method: str) -> None:
+    """What would only fail seconds later, in a model process, fails here with its reason."""
+    for cfg in models:
+        if cfg.path is not None and not os.path.exists(cfg.path):
+            raise FileNotFoundError(f"model {cfg.name!r}: no model file at {cfg.path!r}")
+        if cfg.factory is not None and start_method != "fork":
+            try:
+                ForkingPickler.dumps(cfg.factory)
+            except Exception as e:  # noqa: BLE001 - pickle raises many kinds
+                raise TypeError(f"model {cfg.name!r}: factory {cfg.factory!r} cannot be sent to a model "
+                                f"process ({type(e).__name__}: {e}); model processes are started with "
+                                f"{start_method!r}, so the factory must be importable by name: a "
+                                f"module-level function or class (or functools.partial of one), not a "
+                                f"lambda or a nested function") from None
 
 
 def _shutdown_at_exit(ref: "weakref.ref[Runtime]") -> None:

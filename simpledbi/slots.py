@@ -69,17 +69,19 @@ import numpy as np
 import posix_ipc
 
 from .errors import SlotsExhausted
+from .foreign_sem import ForeignSemaphore, lock_segment, unlock_segment
 from .layout import (
     CLAIM, DATA_OFFSET, DTYPES, REQ_WORD, RESP_WORD, ERR_BYTES, ERR_OFF, FREE, IDLE, MAGIC, MAX_DIM, MAX_IO, MAX_NDIM,
     NAMES_BYTES, NAMES_OFF, NEW, PUBLISHED, REQ_OFF, REQUEST, RESP_OFF, RESP_SEQ_OFF, RESPONSE, SLOT, ST_BAD_REQUEST,
     ST_OK, ControlBlock, SlotTable, align, code_dtype, dtype_code, lock_path, segment_path, sem_name,
     shape_key, words,
 )
-from .shm import Segment, create_semaphore, open_semaphore, pid_alive, unlink_file, unlink_sem
+from .shm import Segment, create_semaphore, pid_alive, unlink_file, unlink_sem
 
 logger = logging.getLogger(__name__)
 
 _SEQ_BYTES = np.dtype("<i8").itemsize
+_RECHECK_BYTES = 1 << 18   # requests this large have their segment's memory checked every time
 
 
 # ================================================================ client side
@@ -249,11 +251,16 @@ class ClientSlot:
                 self.done.release()
 
     def withdraw(self) -> bool:
-        """Take back a request no model process has claimed; False if one owns it."""
+        """Take back a request no model process has claimed; False if one owns it. Under the
+        slot's claim lock: a model process holding it is taking the request right now."""
+        if not lock_segment(self.seg.fd):
+            return self.withdrawn == self.seq
         try:
             self.ready.acquire(0)
         except posix_ipc.BusyError:
             return self.withdrawn == self.seq  # taken back already, or not
+        finally:
+            unlock_segment(self.seg.fd)
         self.withdrawn = self.seq
         self.table.state[self.index] = IDLE
         return True
@@ -571,18 +578,18 @@ class Peer:
             st = os.fstat(self.fd)
             if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
                 raise ValueError(f"slot {slot}'s segment is not a regular file of its own")
-            self.ready = open_semaphore(sem_name(namespace, model, slot, token, "rdy"))
-            self.done = open_semaphore(sem_name(namespace, model, slot, token, "don"))
+            # The client's semaphores, used only through the kernel: a client that truncates
+            # one must not make a SIGBUS here (foreign_sem).
+            self.ready = ForeignSemaphore(sem_name(namespace, model, slot, token, "rdy"))
+            self.done = ForeignSemaphore(sem_name(namespace, model, slot, token, "don"), readable=False)
         except BaseException:
             self.close()
             raise
 
     def try_claim(self) -> bool:
-        try:
-            self.ready.acquire(0)
-            return True
-        except posix_ipc.BusyError:
-            return False
+        """Take the request's ``rdy`` token (under the slot's claim lock, which the client's
+        withdrawal takes too)."""
+        return self.ready.take(self.fd)
 
     def waiting(self) -> bool:
         """Is a request of this slot published and claimed by nobody? (``rdy`` is posted: only
@@ -613,7 +620,9 @@ class Peer:
             req = last[3]
             # As many rows as that request: its bounds checks hold (self.size only grows until
             # the next full validation, which drops this cache first).
-            if rows == req.rows and limits is last[5]:
+            if rows * last[6] >= _RECHECK_BYTES and not self._memory_holds(rows * last[6]):
+                nbytes = None   # its pages may be holes again: the full validation says why
+            elif rows == req.rows and limits is last[5]:
                 nbytes = req.nbytes
             elif 1 <= rows <= limits.max_batch and rows * last[6] <= self.allocated and \
                     all(off + rows * per_row <= self.size and rows * per_row <= limits.max_request_bytes
@@ -630,6 +639,16 @@ class Peer:
         per_row = tuple(n // req.rows for n in req.nbytes)
         self._last = (raw[_STATIC_B:], raw[:_SEQ_B], raw[_NIN_B:_T_B], req, per_row, limits, sum(per_row))
         return req
+
+    def _memory_holds(self, nbytes: int) -> bool:
+        """Does the segment (still) hold ``nbytes`` of memory? A client can turn the pages of a
+        request validated before back into holes (truncate and extend): a large request is
+        checked again each time, a small one costs little however often it is replayed."""
+        try:
+            self.allocated = os.fstat(self.fd).st_blocks * 512
+        except OSError:
+            return False
+        return nbytes <= self.allocated
 
     def _validate(self, raw: bytes, limits: Limits, seq_hint: int, now: float) -> Request:
         self._last = None
@@ -776,7 +795,7 @@ class Peer:
 
     def wake(self) -> None:
         if self.done is not None:
-            self.done.release()
+            self.done.post()
 
     def map(self) -> Optional[Tuple[int, int]]:
         """Map the segment (for registration and DMA by the device); (address, size) or None."""

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from simpledbi import ModelConfig, ModelError, SharedModel
+from simpledbi import ModelConfig, ModelError, Runtime, RuntimeStopped, SharedModel
 from simpledbi.errors import RemoteTraceback
 from simpledbi.layout import PUBLISHED
 
@@ -184,6 +184,29 @@ def test_late_result_is_never_returned_to_a_later_call(start_runtime, gate):
 
 
 def test_model_that_fails_to_load_is_reported(start_runtime, tmp_path):
+    broken = tmp_path / "broken.pt"
+    broken.write_bytes(b"not a TorchScript archive")
+    with pytest.raises(ModelError, match=r"process 0 failed to load: RuntimeError"):
+        start_runtime(ModelConfig(name="m", path=str(broken), device="cpu"))
+
+
+def test_what_a_model_process_could_not_load_is_refused_before_starting_one(tmp_path):
+    # A missing file or a factory that cannot be pickled failed seconds later, in a model
+    # process, with a raw PicklingError for the lambda.
     missing = str(tmp_path / "missing.pt")
-    with pytest.raises(ModelError, match=r"failed to load.*missing\.pt"):
-        start_runtime(ModelConfig(name="m", path=missing, device="cpu"))
+    with pytest.raises(FileNotFoundError, match="model 'm': no model file at .*missing.pt"):
+        Runtime([ModelConfig(name="m", path=missing, device="cpu")]).start()
+    with pytest.raises(TypeError, match="importable by name.*not a lambda"):
+        Runtime([ModelConfig(name="m", factory=lambda: None, device="cpu")]).start()
+
+
+def test_a_call_after_close_says_closed_however_the_handle_attached():
+    # A handle attached by name raised TypeError ('NoneType' object is not subscriptable).
+    import os
+    name = f"closed{os.getpid()}"
+    with Runtime([cpu_model("affine", models.affine, max_batch_size=2)], name=name) as rt:
+        for m in (SharedModel("affine", max_shape=(1, 2), runtime=name),
+                  SharedModel("affine", max_shape=(1, 2), namespace=rt.namespace)):
+            m.close()
+            with pytest.raises(RuntimeStopped, match="is closed"):
+                m.forward(np.ones((1, 2), np.float32))

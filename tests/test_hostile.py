@@ -380,7 +380,7 @@ def test_a_slot_that_vanishes_while_a_model_process_opens_it_is_skipped_cleanly(
     ns = shm.new_namespace()
     try:
         open(segment_path(ns, "m", 0, 5), "wb").close()
-        with pytest.raises(posix_ipc.ExistentialError):
+        with pytest.raises(FileNotFoundError):
             Peer(ns, "m", 0, 5)
     finally:
         shm.sweep_namespace(ns)
@@ -1081,4 +1081,126 @@ def test_junk_at_a_live_clients_lock_path_does_not_take_its_slot(start_runtime):
         y = np.full((1, 2), v, np.float32)
         np.testing.assert_array_equal(victim.forward(y, timeout=10), y * 2 + 1)
     victim.close()
+    _honest(rt, "affine")
+
+
+# ---------------------------------------------------------------- eleventh round (2026-11-27)
+# A client's semaphores are files it can truncate: any user-space access to them after that is a
+# SIGBUS in whoever makes it. The model processes and the supervisor go through the kernel only.
+_SEM_HOSTILE = r"""
+import os, sys, threading, numpy as np
+from simpledbi import SharedModel
+from tests.models import GATE
+ns, which = sys.argv[1], sys.argv[2]
+m = SharedModel("gated", max_shape=(1, 2), namespace=ns)
+m.forward(np.ones((1, 2), np.float32))         # the model process now holds this slot's handles
+s = m._h.idle[0]
+path = f"/dev/shm/sem.{ns}.gated.s{s.index}.{s.token:016x}."
+if which == "don_mid":
+    threading.Thread(target=m.forward, args=(np.full((1, 2), GATE, np.float32),), daemon=True).start()
+    print(path + "don", flush=True)           # the driver truncates it while the model computes
+else:
+    os.truncate(path + which.split("_")[0], 0)
+    print("-", flush=True)
+sys.stdin.read()                                # until the driver is done
+os._exit(0)                                     # never touch the truncated semaphore here
+"""
+
+_SEM_DRIVER = r"""
+import functools, os, subprocess, sys, numpy as np
+from simpledbi import ModelConfig, RuntimeOptions, SharedModel
+from simpledbi.runtime import Runtime
+from tests import models
+from tests.conftest import Gate
+which, hostile_code = sys.argv[1], sys.argv[2]
+gate = Gate()
+cfg = ModelConfig(name="gated", factory=functools.partial(models.gated, gate.name), max_batch_size=2,
+                  wait_time=0.001, device="cpu", num_threads=1)
+rt = Runtime([cfg], RuntimeOptions(poll_interval=0.05)).start()
+try:
+    pids = [int(p) for p in rt.ctls["gated"].instances["pid"]]
+    h = subprocess.Popen([sys.executable, "-c", hostile_code, rt.namespace, which],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    line = h.stdout.readline().strip()
+    if which == "don_mid":
+        gate.wait_entered()
+        os.truncate(line, 0)
+        gate.open()
+    with SharedModel("gated", max_shape=(1, 2), namespace=rt.namespace) as m:
+        for i in range(40):   # rings that find nothing make the model look at every handle
+            rt.doorbells["gated"].release()
+            x = np.full((1, 2), float(i), np.float32)
+            assert (m.forward(x, timeout=10) == x * 2 + 1).all()
+    assert [int(p) for p in rt.ctls["gated"].instances["pid"]] == pids, "a model process died"
+finally:
+    rt.shutdown()                       # posts every attached slot's don, the hostile's too
+    h.stdin.close()
+    h.wait(30)
+    gate.close()
+print("DRIVER OK", flush=True)
+"""
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("which", ["rdy", "don", "don_mid"])
+def test_a_client_that_truncates_its_own_semaphore_hurts_nobody_else(which):
+    # rdy: the model process read its value (a sweep for hidden requests) and died of SIGBUS, and
+    # the slot finder gave it to each restarted process until the model was marked broken. don:
+    # the model process died posting it, and so did the supervisor -- the whole runtime -- when it
+    # posted it for the dead process's callers or at shutdown.
+    p = subprocess.Popen([sys.executable, "-c", _SEM_DRIVER, which, _SEM_HOSTILE], cwd=ROOT,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = p.communicate(timeout=150)
+    finally:
+        p.kill()
+        for e in os.listdir("/dev/shm"):   # a driver that died leaves its gate behind
+            if e.startswith(f"sem.sdbitest_{p.pid}_"):
+                os.unlink(os.path.join("/dev/shm", e))
+    assert p.returncode == 0 and "DRIVER OK" in out, (p.returncode, out, err[-3000:])
+
+
+def test_a_token_posted_again_does_not_run_the_request_again(start_runtime):
+    # A client posted its rdy 100,000 times after an answered request: model processes took one
+    # token per poll interval and ran the same request again each time, for hours.
+    rt = start_runtime(cpu_model("affine", models.affine, max_batch_size=4))
+    with SharedModel("affine", max_shape=(1, 2), namespace=rt.namespace) as m:
+        x = np.ones((1, 2), np.float32)
+        np.testing.assert_array_equal(m.forward(x), x * 2 + 1)
+        s = m._h.idle[0]
+        batches = rt.ctls["affine"].counters["batches"]
+        before = int(batches.sum())
+        for _ in range(1000):
+            s.ready.release()
+        door = rt.doorbells["affine"]
+        _wait_for(lambda: door.release() or s.ready.value == 0)   # a model process took them
+        assert int(batches.sum()) == before, "the answered request ran again"
+        np.testing.assert_array_equal(m.forward(2 * x), 2 * x * 2 + 1)
+
+
+def test_a_replayed_header_over_pages_turned_back_into_holes_is_refused(start_runtime):
+    # The header of a validated request, published again after the client turned its input
+    # pages back into holes (truncate, extend): the fast path reused the old checks, and the
+    # model process staged memory the client no longer paid for (8 x 128 MiB -> 1.2 GiB kept).
+    from simpledbi.layout import DATA_OFFSET
+    rt = start_runtime(cpu_model("affine", models.affine, max_batch_size=2))
+    n = 1 << 17   # 512 KiB a request
+    with SharedModel("affine", max_shape=(1, n), namespace=rt.namespace) as m:
+        x = np.ones((1, n), np.float32)
+        np.testing.assert_array_equal(m.forward(x), x * 2 + 1)
+        s = m._h.idle[0]
+        size = os.fstat(s.seg.fd).st_size
+        os.ftruncate(s.seg.fd, DATA_OFFSET)
+        os.ftruncate(s.seg.fd, size)
+        # publish the same header again without writing the inputs
+        s.seq += 1
+        s._r_seq[0] = s.seq
+        s.ready.release()
+        t = s.table
+        t.seq[s.index] = s.seq
+        t.state[s.index] = PUBLISHED
+        s.doorbell.release()
+        with pytest.raises(ValueError, match="unwritten pages"):
+            m._await(s, s.seq, time.monotonic() + 30)
+        np.testing.assert_array_equal(m.forward(x), x * 2 + 1)   # written for real: served
     _honest(rt, "affine")

@@ -1,0 +1,225 @@
+"""A client's semaphores, used by the model processes and the supervisor without touching their
+memory from user space.
+
+A client creates its slot's ``rdy`` and ``don`` semaphores: files in /dev/shm that glibc maps.
+If the client truncates one, any user-space access to the mapping is a SIGBUS -- in the process
+that touches it (a model process, the supervisor), not in the client. So those processes only go
+through the kernel, which answers EFAULT instead:
+
+* post: ``FUTEX_WAKE_OP`` adds 1 to the value atomically and wakes one sleeper (what sem_post
+  does in user space);
+* value: ``pread`` of the value word;
+* take (trywait): under an open-file-description lock on the slot's segment, read the value with
+  ``pread`` and, if positive, set it to 0 with ``FUTEX_WAKE_OP``. The client's own trywait (a
+  withdrawal, ``slots.ClientSlot.withdraw``) takes the same lock, so nothing comes between the
+  read and the set; only the slot's owner posts ``rdy``, and a post in between is a second
+  token its owner cannot have meant (one request at a time), so taking both is right.
+
+glibc's semaphore on 64-bit Linux is one 64-bit word: the value in its low 32 bits (also the
+futex word sleepers wait on), the number of sleepers in the high 32. ``supported()`` checks that
+layout once per process against posix_ipc; where it does not hold, these handles fall back to
+posix_ipc's user-space operations (and a truncated semaphore is a crash again).
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import fcntl
+import logging
+import os
+import platform
+import stat
+import struct
+import sys
+from typing import Optional
+
+import posix_ipc
+
+logger = logging.getLogger(__name__)
+
+SEM_BYTES = 32                 # sizeof(sem_t) on 64-bit glibc
+_SYS_FUTEX = {"x86_64": 202, "aarch64": 98}.get(platform.machine())
+_FUTEX_WAKE_OP = 5
+_OP_SET, _OP_ADD, _CMP_EQ = 0, 1, 0
+_PROT_RW, _MAP_SHARED = 0x1 | 0x2, 0x01
+# struct flock: l_type, l_whence, l_start, l_len, l_pid (0 for OFD locks); byte 0 of the segment
+_LOCK_BYTE = struct.pack("hhxxxxqqixxxx", fcntl.F_WRLCK, os.SEEK_SET, 0, 1, 0)
+_UNLOCK_BYTE = struct.pack("hhxxxxqqixxxx", fcntl.F_UNLCK, os.SEEK_SET, 0, 1, 0)
+_F_OFD_SETLK = getattr(fcntl, "F_OFD_SETLK", 37)
+
+
+def _op(op: int, oparg: int) -> int:
+    return ((op & 0xF) << 28) | ((_CMP_EQ & 0xF) << 24) | ((oparg & 0xFFF) << 12)
+
+
+_POST, _CLEAR = _op(_OP_ADD, 1), _op(_OP_SET, 0)
+
+_libc = None
+_supported: Optional[bool] = None
+
+
+def _load_libc():
+    global _libc
+    if _libc is None:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        libc.syscall.restype = ctypes.c_long
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                              ctypes.c_int, ctypes.c_long]
+        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        _libc = libc
+    return _libc
+
+
+def _wake_op(addr: int, wake: int, op: int) -> bool:
+    """FUTEX_WAKE_OP on one word: ``op`` on it atomically, then wake up to ``wake`` sleepers.
+    False when the kernel cannot reach the page (the file was truncated under the mapping)."""
+    libc = _libc
+    r = libc.syscall(ctypes.c_long(_SYS_FUTEX), ctypes.c_void_p(addr), ctypes.c_int(_FUTEX_WAKE_OP),
+                     ctypes.c_int(wake), ctypes.c_void_p(0), ctypes.c_void_p(addr), ctypes.c_int(op))
+    return r >= 0
+
+
+def lock_segment(fd: int) -> bool:
+    """Take the slot's claim lock (one byte of its segment, an open-file-description lock):
+    False at once if another holder has it."""
+    try:
+        fcntl.fcntl(fd, _F_OFD_SETLK, _LOCK_BYTE)
+        return True
+    except OSError as e:
+        if e.errno in (errno.EAGAIN, errno.EACCES):
+            return False
+        raise
+
+
+def unlock_segment(fd: int) -> None:
+    try:
+        fcntl.fcntl(fd, _F_OFD_SETLK, _UNLOCK_BYTE)
+    except OSError:
+        pass
+
+
+def sem_path(name: str, shm_dir: str = "/dev/shm") -> str:
+    """The file glibc keeps semaphore ``name`` ("/x") in."""
+    return os.path.join(shm_dir, "sem." + name[1:])
+
+
+class ForeignSemaphore:
+    """Semaphore ``name``, created by another process that may truncate it at any time."""
+
+    def __init__(self, name: str, readable: bool = True):
+        """``readable``: keep a descriptor to read the value (``value``, ``take``); a semaphore
+        that is only posted needs none once mapped."""
+        self.name = name
+        self._fd: Optional[int] = None
+        self._addr = 0
+        self._sem = None            # posix_ipc fallback
+        if not supported():
+            self._sem = posix_ipc.Semaphore(name)
+            return
+        fd = os.open(sem_path(name), os.O_RDWR | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOFOLLOW)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_size < SEM_BYTES:
+                raise ValueError(f"semaphore {name} is not a semaphore file")
+            addr = _libc.mmap(None, SEM_BYTES, _PROT_RW, _MAP_SHARED, fd, 0)
+            if addr in (None, ctypes.c_void_p(-1).value):
+                raise OSError(ctypes.get_errno(), f"mmap of semaphore {name} failed")
+        except BaseException:
+            os.close(fd)
+            raise
+        self._addr = addr
+        if readable:
+            self._fd = fd
+        else:
+            os.close(fd)   # the mapping keeps the file
+
+    def post(self) -> bool:
+        """sem_post; False if the semaphore's file was truncated (its owner broke it)."""
+        if self._sem is not None:
+            self._sem.release()
+            return True
+        return bool(self._addr) and _wake_op(self._addr, 1, _POST)
+
+    @property
+    def value(self) -> int:
+        if self._sem is not None:
+            return self._sem.value
+        if self._fd is None:
+            return 0
+        raw = os.pread(self._fd, 4, 0)
+        return int.from_bytes(raw, "little") if len(raw) == 4 else 0
+
+    def take(self, lock_fd: int) -> bool:
+        """trywait, arbitrated by the claim lock on ``lock_fd`` (the slot's segment)."""
+        if self._sem is not None:
+            try:
+                self._sem.acquire(0)
+                return True
+            except posix_ipc.BusyError:
+                return False
+        if not self._addr or not lock_segment(lock_fd):
+            return False
+        try:
+            return self.value > 0 and _wake_op(self._addr, 0, _CLEAR)
+        finally:
+            unlock_segment(lock_fd)
+
+    def close(self) -> None:
+        if self._sem is not None:
+            self._sem.close()
+            self._sem = None
+        if self._addr:
+            _libc.munmap(ctypes.c_void_p(self._addr), SEM_BYTES)
+            self._addr = 0
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def supported() -> bool:
+    """Does this platform's semaphore have the layout the kernel-side operations assume? Checked
+    once per process on a private semaphore, against posix_ipc."""
+    global _supported
+    if _supported is None:
+        _supported = False
+        if _SYS_FUTEX is not None and sys.byteorder == "little" and sys.maxsize > 2**32:
+            try:
+                _supported = _self_check()
+            except Exception:  # noqa: BLE001
+                logger.debug("kernel-side semaphore check failed", exc_info=True)
+        if not _supported:
+            logger.warning("semaphores of clients are used from user space on this platform: a "
+                           "client that truncates its own semaphore can crash a model process")
+    return _supported
+
+
+def _self_check() -> bool:
+    _load_libc()
+    name = f"/sdbi_semcheck_{os.getpid()}_{os.urandom(4).hex()}"
+    sem = posix_ipc.Semaphore(name, posix_ipc.O_CREX, mode=0o600, initial_value=0)
+    fd = addr = None
+    try:
+        fd = os.open(sem_path(name), os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+        if os.fstat(fd).st_size < SEM_BYTES:
+            return False
+        addr = _libc.mmap(None, SEM_BYTES, _PROT_RW, _MAP_SHARED, fd, 0)
+        if addr in (None, ctypes.c_void_p(-1).value):
+            return False
+        if not (_wake_op(addr, 1, _POST) and sem.value == 1 and int.from_bytes(os.pread(fd, 4, 0), "little") == 1):
+            return False
+        if not (_wake_op(addr, 0, _CLEAR) and sem.value == 0):
+            return False
+        _wake_op(addr, 1, _POST)
+        sem.acquire(0)            # glibc takes what the kernel posted
+        return sem.value == 0
+    finally:
+        if addr not in (None, 0, ctypes.c_void_p(-1).value):
+            _libc.munmap(ctypes.c_void_p(addr), SEM_BYTES)
+        if fd is not None:
+            os.close(fd)
+        try:
+            sem.unlink()
+        finally:
+            sem.close()
