@@ -63,7 +63,11 @@ def _load_libc():
     global _libc
     if _libc is None:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        # futex(uaddr, op, val, val2 (in the timeout's place), uaddr2, val3): declared once, so a
+        # call converts plain ints without building ctypes objects (a post per request)
         libc.syscall.restype = ctypes.c_long
+        libc.syscall.argtypes = [ctypes.c_long, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
+                                 ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
         libc.mmap.restype = ctypes.c_void_p
         libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
                               ctypes.c_int, ctypes.c_long]
@@ -75,10 +79,7 @@ def _load_libc():
 def _wake_op(addr: int, wake: int, op: int) -> bool:
     """FUTEX_WAKE_OP on one word: ``op`` on it atomically, then wake up to ``wake`` sleepers.
     False when the kernel cannot reach the page (the file was truncated under the mapping)."""
-    libc = _libc
-    r = libc.syscall(ctypes.c_long(_SYS_FUTEX), ctypes.c_void_p(addr), ctypes.c_int(_FUTEX_WAKE_OP),
-                     ctypes.c_int(wake), ctypes.c_void_p(0), ctypes.c_void_p(addr), ctypes.c_int(op))
-    return r >= 0
+    return _libc.syscall(_SYS_FUTEX, addr, _FUTEX_WAKE_OP, wake, None, addr, op) >= 0
 
 
 def lock_segment(fd: int) -> bool:
@@ -162,7 +163,8 @@ class ForeignSemaphore:
         if not self._addr or not lock_segment(lock_fd):
             return False
         try:
-            return self.value > 0 and _wake_op(self._addr, 0, _CLEAR)
+            raw = os.pread(self._fd, 4, 0)
+            return raw not in (b"\0\0\0\0", b"") and len(raw) == 4 and _wake_op(self._addr, 0, _CLEAR)
         finally:
             unlock_segment(lock_fd)
 
