@@ -199,7 +199,9 @@ def supported() -> bool:
 
 def _self_check() -> bool:
     _load_libc()
-    name = f"/sdbi_semcheck_{os.getpid()}_{os.urandom(4).hex()}"
+    # named like a namespace's semaphore: if this process dies right here, the next runtime
+    # start removes it with the rest of what dead processes left (shm.sweep_dead_namespaces)
+    name = f"/sdbi_{os.getpid()}_{os.urandom(8).hex()}.semcheck"
     sem = posix_ipc.Semaphore(name, posix_ipc.O_CREX, mode=0o600, initial_value=0)
     fd = addr = None
     try:
