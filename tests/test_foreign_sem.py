@@ -1,0 +1,74 @@
+"""foreign_sem: a client's semaphore used only through the kernel -- what posix_ipc sees of it, and
+that a truncated semaphore file is an error, not a SIGBUS, in the process using it."""
+import os
+import secrets
+
+import posix_ipc
+import pytest
+
+from simpledbi import foreign_sem
+from simpledbi.foreign_sem import ForeignSemaphore, lock_segment, sem_path, unlock_segment
+
+pytestmark = pytest.mark.skipif(not foreign_sem.supported(), reason="not glibc's 64-bit semaphore layout")
+
+
+@pytest.fixture
+def owned():
+    """A semaphore this test owns (posix_ipc: the client's side), and a lock file for take()."""
+    name = f"/sdbitest_{os.getpid()}_{secrets.token_hex(4)}.sem"
+    sem = posix_ipc.Semaphore(name, posix_ipc.O_CREX, mode=0o600, initial_value=0)
+    fd = os.open(sem_path(name), os.O_RDWR)
+    try:
+        yield name, sem, fd
+    finally:
+        os.close(fd)
+        sem.unlink()
+        sem.close()
+
+
+def test_post_value_and_take_are_what_the_owner_sees(owned):
+    name, sem, fd = owned
+    f = ForeignSemaphore(name)
+    try:
+        assert f.post() and sem.value == 1 and f.value == 1
+        sem.acquire(0)                      # the owner takes what the kernel posted
+        assert f.value == 0 and not f.take(fd)
+        sem.release()
+        sem.release()
+        assert f.take(fd) and sem.value == 0   # a token is taken whole
+        assert not f.take(fd)
+    finally:
+        f.close()
+
+
+def test_take_fails_while_someone_else_holds_the_claim_lock(owned):
+    name, sem, fd = owned
+    other = os.open(sem_path(name), os.O_RDWR)   # another open file description: the client's
+    f = ForeignSemaphore(name)
+    try:
+        sem.release()
+        assert lock_segment(other)
+        assert not f.take(fd) and sem.value == 1   # the withdrawal in progress wins
+        unlock_segment(other)
+        assert f.take(fd) and sem.value == 0
+    finally:
+        f.close()
+        os.close(other)
+
+
+def test_a_truncated_semaphore_is_an_error_not_a_crash(owned):
+    name, sem, fd = owned
+    f = ForeignSemaphore(name)
+    g = ForeignSemaphore(name, readable=False)
+    try:
+        sem.release()
+        os.ftruncate(fd, 0)
+        assert not f.post() and not g.post()
+        assert f.value == 0 and not f.take(fd)
+        with pytest.raises(ValueError):       # opened after the truncation: refused
+            ForeignSemaphore(name)
+        os.ftruncate(fd, foreign_sem.SEM_BYTES)   # back (its memory is zeros now): usable again
+        assert f.post() and f.value == 1
+    finally:
+        f.close()
+        g.close()
