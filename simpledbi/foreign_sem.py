@@ -164,7 +164,7 @@ class ForeignSemaphore:
             return False
         try:
             raw = os.pread(self._fd, 4, 0)
-            return raw not in (b"\0\0\0\0", b"") and len(raw) == 4 and _wake_op(self._addr, 0, _CLEAR)
+            return len(raw) == 4 and raw != b"\0\0\0\0" and _wake_op(self._addr, 0, _CLEAR)
         finally:
             unlock_segment(lock_fd)
 

@@ -4,7 +4,7 @@ Entry point :func:`model_process_main` is module-level so ``spawn`` can pickle i
 
     sleep on the model's doorbell (timeout: poll_interval, to notice orphaning / stop)
       -> scan the slot table's hints for PUBLISHED, unclaimed rows, oldest first
-      -> claim each (rdy.trywait), read + validate its header privately (slots.Peer)
+      -> claim each (take rdy, through the kernel), read + validate its header privately (slots.Peer)
       -> until batching.decide says close: wait on the doorbell for more (NOTE [adaptive batching])
       -> Engine: gather (preadv / DMA) -> forward -> outputs
       -> pwrite each requester's rows and response into its segment, don.post()

@@ -15,7 +15,9 @@ created by one client (a ``SharedModel`` lends its slots to calls, one call per 
              rdy.post()            (the claim token exists before any hint points at it)
              row i: rows, key, seq, t_publish, state = PUBLISHED (last)
              doorbell.post() --------------------->  scan rows: PUBLISHED and not claimed
-                                                     claim:   rdy.trywait()   (exactly one wins)
+                                                     claim:   take rdy (exactly one wins): under
+                                                              the segment's claim lock, through
+                                                              the kernel only (foreign_sem)
                                                               pread REQUEST -> private copy,
                                                               validate every field against the
                                                               segment's real size and the model
@@ -25,7 +27,8 @@ created by one client (a ``SharedModel`` lends its slots to calls, one call per 
     wait:    don.wait(poll) <-----------------------          don.post()
     read:    RESP_SEQ == seq -> outputs; row i: state = IDLE
 
-    withdraw (timeout before a claim): rdy.trywait() succeeds -> row i = IDLE. If it fails, a
+    withdraw (timeout before a claim): under the segment's claim lock, rdy.trywait() succeeds
+             -> row i = IDLE. If it fails (or the lock is held: a claim in progress), a
              model process owns the request: the slot is *stale* and is lent again only after
              the late response (RESP_SEQ == seq) has arrived and been dropped.
     detach:  withdraw; unlink segment and semaphores; row i = FREE; unlock (last).
