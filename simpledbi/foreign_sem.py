@@ -8,9 +8,10 @@ through the kernel, which answers EFAULT instead:
 
 * post: ``FUTEX_WAKE_OP`` adds 1 to the value atomically and wakes one sleeper (what sem_post
   does in user space);
-* value: ``pread`` of the value word;
-* take (trywait): under an open-file-description lock on the slot's segment, read the value with
-  ``pread`` and, if positive, set it to 0 with ``FUTEX_WAKE_OP``. The client's own trywait (a
+* has a token (value > 0): ``FUTEX_CMP_REQUEUE`` against 0, which compares and moves nobody
+  (no descriptor is kept per semaphore: a model process holds one per attached slot already);
+* take (trywait): under an open-file-description lock on the slot's segment, if it has a token,
+  set the value to 0 with ``FUTEX_WAKE_OP``. The client's own trywait (a
   withdrawal, ``slots.ClientSlot.withdraw``) takes the same lock, so nothing comes between the
   read and the set; only the slot's owner posts ``rdy``, and a post in between is a second
   token its owner cannot have meant (one request at a time), so taking both is right.
@@ -40,7 +41,7 @@ logger = logging.getLogger(__name__)
 
 SEM_BYTES = 32                 # sizeof(sem_t) on 64-bit glibc
 _SYS_FUTEX = {"x86_64": 202, "aarch64": 98}.get(platform.machine())
-_FUTEX_WAKE_OP = 5
+_FUTEX_CMP_REQUEUE, _FUTEX_WAKE_OP = 4, 5
 _OP_SET, _OP_ADD, _CMP_EQ = 0, 1, 0
 _PROT_RW, _MAP_SHARED = 0x1 | 0x2, 0x01
 # struct flock: l_type, l_whence, l_start, l_len, l_pid (0 for OFD locks); byte 0 of the segment
@@ -82,6 +83,14 @@ def _wake_op(addr: int, wake: int, op: int) -> bool:
     return _libc.syscall(_SYS_FUTEX, addr, _FUTEX_WAKE_OP, wake, None, addr, op) >= 0
 
 
+def _has_token(addr: int) -> bool:
+    """Is the value at ``addr`` non-zero? FUTEX_CMP_REQUEUE fails with EAGAIN when the word is
+    not the expected 0 (and with EFAULT on a truncated file: no token then)."""
+    if _libc.syscall(_SYS_FUTEX, addr, _FUTEX_CMP_REQUEUE, 0, None, addr, 0) >= 0:
+        return False
+    return ctypes.get_errno() == errno.EAGAIN
+
+
 def lock_segment(fd: int) -> bool:
     """Take the slot's claim lock (one byte of its segment, an open-file-description lock):
     False at once if another holder has it."""
@@ -109,11 +118,8 @@ def sem_path(name: str, shm_dir: str = "/dev/shm") -> str:
 class ForeignSemaphore:
     """Semaphore ``name``, created by another process that may truncate it at any time."""
 
-    def __init__(self, name: str, readable: bool = True):
-        """``readable``: keep a descriptor to read the value (``value``, ``take``); a semaphore
-        that is only posted needs none once mapped."""
+    def __init__(self, name: str):
         self.name = name
-        self._fd: Optional[int] = None
         self._addr = 0
         self._sem = None            # posix_ipc fallback
         if not supported():
@@ -127,14 +133,9 @@ class ForeignSemaphore:
             addr = _libc.mmap(None, SEM_BYTES, _PROT_RW, _MAP_SHARED, fd, 0)
             if addr in (None, ctypes.c_void_p(-1).value):
                 raise OSError(ctypes.get_errno(), f"mmap of semaphore {name} failed")
-        except BaseException:
-            os.close(fd)
-            raise
-        self._addr = addr
-        if readable:
-            self._fd = fd
-        else:
+        finally:
             os.close(fd)   # the mapping keeps the file
+        self._addr = addr
 
     def post(self) -> bool:
         """sem_post; False if the semaphore's file was truncated (its owner broke it)."""
@@ -143,14 +144,11 @@ class ForeignSemaphore:
             return True
         return bool(self._addr) and _wake_op(self._addr, 1, _POST)
 
-    @property
-    def value(self) -> int:
+    def has_token(self) -> bool:
+        """Is the value positive (a post nobody took)?"""
         if self._sem is not None:
-            return self._sem.value
-        if self._fd is None:
-            return 0
-        raw = os.pread(self._fd, 4, 0)
-        return int.from_bytes(raw, "little") if len(raw) == 4 else 0
+            return self._sem.value > 0
+        return bool(self._addr) and _has_token(self._addr)
 
     def take(self, lock_fd: int) -> bool:
         """trywait, arbitrated by the claim lock on ``lock_fd`` (the slot's segment)."""
@@ -163,8 +161,7 @@ class ForeignSemaphore:
         if not self._addr or not lock_segment(lock_fd):
             return False
         try:
-            raw = os.pread(self._fd, 4, 0)
-            return len(raw) == 4 and raw != b"\0\0\0\0" and _wake_op(self._addr, 0, _CLEAR)
+            return _has_token(self._addr) and _wake_op(self._addr, 0, _CLEAR)
         finally:
             unlock_segment(lock_fd)
 
@@ -175,9 +172,6 @@ class ForeignSemaphore:
         if self._addr:
             _libc.munmap(ctypes.c_void_p(self._addr), SEM_BYTES)
             self._addr = 0
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
 
 
 def supported() -> bool:
@@ -211,9 +205,9 @@ def _self_check() -> bool:
         addr = _libc.mmap(None, SEM_BYTES, _PROT_RW, _MAP_SHARED, fd, 0)
         if addr in (None, ctypes.c_void_p(-1).value):
             return False
-        if not (_wake_op(addr, 1, _POST) and sem.value == 1 and int.from_bytes(os.pread(fd, 4, 0), "little") == 1):
+        if _has_token(addr) or not (_wake_op(addr, 1, _POST) and sem.value == 1 and _has_token(addr)):
             return False
-        if not (_wake_op(addr, 0, _CLEAR) and sem.value == 0):
+        if not (_wake_op(addr, 0, _CLEAR) and sem.value == 0 and not _has_token(addr)):
             return False
         _wake_op(addr, 1, _POST)
         sem.acquire(0)            # glibc takes what the kernel posted

@@ -416,7 +416,7 @@ class Runtime:
         # Through the kernel only: a client that truncated its semaphore must not make a SIGBUS
         # in the supervisor (foreign_sem).
         try:
-            sem = ForeignSemaphore(sem_name(self.namespace, name, slot, token, "don"), readable=False)
+            sem = ForeignSemaphore(sem_name(self.namespace, name, slot, token, "don"))
         except Exception:  # noqa: BLE001 - the client is gone
             return
         try:

@@ -570,6 +570,7 @@ class Peer:
         self.answered_at = 0.0   # when this process last woke the client (time.monotonic) ...
         self.answered_seq = -1   # ... and for which request
         self.last_ok = 0.0       # when a claim through this handle last succeeded
+        self.refused_at = 0.0    # ... and last failed (its lock held, its token gone)
         self._last = None        # the last request validated: its static header bytes and result
         self._heads = {}         # response header prefixes by output signature
         # The segment a client created, not what it may have put at its path since: no symlink
@@ -584,7 +585,7 @@ class Peer:
             # The client's semaphores, used only through the kernel: a client that truncates
             # one must not make a SIGBUS here (foreign_sem).
             self.ready = ForeignSemaphore(sem_name(namespace, model, slot, token, "rdy"))
-            self.done = ForeignSemaphore(sem_name(namespace, model, slot, token, "don"), readable=False)
+            self.done = ForeignSemaphore(sem_name(namespace, model, slot, token, "don"))
         except BaseException:
             self.close()
             raise
@@ -592,12 +593,15 @@ class Peer:
     def try_claim(self) -> bool:
         """Take the request's ``rdy`` token (under the slot's claim lock, which the client's
         withdrawal takes too)."""
-        return self.ready.take(self.fd)
+        if self.ready.take(self.fd):
+            return True
+        self.refused_at = time.monotonic()   # a token it could not take: not again at once
+        return False
 
     def waiting(self) -> bool:
         """Is a request of this slot published and claimed by nobody? (``rdy`` is posted: only
         the slot's owner posts it, whatever anyone wrote into the table.)"""
-        return self.ready.value > 0
+        return self.ready.has_token()
 
     def linked(self) -> bool:
         """Does the segment still have its name? It loses it when its client detaches or the
