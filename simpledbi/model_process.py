@@ -424,15 +424,11 @@ class ModelServer:
         if self.retiring:
             return
         tw_u, state = self._tw_u, self.table.state
-        # A handle whose token could not be taken lately (its client holds the claim lock, or
-        # it was gone) waits a poll interval: else every doorbell ring would retry them all.
-        recent = self._last_sweep - self.poll
         for slot, peer in self.peers.items():
-            if peer.refused_at < recent and peer.waiting() and \
-                    not (state[slot] == PUBLISHED and tw_u[slot * SLOT_WORDS + T_TOKEN] == peer.token):
+            if peer.waiting() and not (state[slot] == PUBLISHED and tw_u[slot * SLOT_WORDS + T_TOKEN] == peer.token):
                 self._hidden[slot] = peer.token
         for (slot, token), peer in self.aside.items():
-            if peer.refused_at < recent and peer.waiting():
+            if peer.waiting():
                 self._hidden[slot] = token
         self._hidden_seen = bool(self._hidden)   # under attack: look again at every empty ring
 

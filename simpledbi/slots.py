@@ -570,7 +570,6 @@ class Peer:
         self.answered_at = 0.0   # when this process last woke the client (time.monotonic) ...
         self.answered_seq = -1   # ... and for which request
         self.last_ok = 0.0       # when a claim through this handle last succeeded
-        self.refused_at = 0.0    # ... and last failed (its lock held, its token gone)
         self._last = None        # the last request validated: its static header bytes and result
         self._heads = {}         # response header prefixes by output signature
         # The segment a client created, not what it may have put at its path since: no symlink
@@ -593,10 +592,7 @@ class Peer:
     def try_claim(self) -> bool:
         """Take the request's ``rdy`` token (under the slot's claim lock, which the client's
         withdrawal takes too)."""
-        if self.ready.take(self.fd):
-            return True
-        self.refused_at = time.monotonic()   # a token it could not take: not again at once
-        return False
+        return self.ready.take(self.fd)
 
     def waiting(self) -> bool:
         """Is a request of this slot published and claimed by nobody? (``rdy`` is posted: only
