@@ -150,16 +150,20 @@ class ForeignSemaphore:
             return self._sem.value > 0
         return bool(self._addr) and _has_token(self._addr)
 
-    def take(self, lock_fd: int) -> bool:
-        """trywait, arbitrated by the claim lock on ``lock_fd`` (the slot's segment)."""
+    def take(self, lock_fd: int) -> Optional[bool]:
+        """trywait, arbitrated by the claim lock on ``lock_fd`` (the slot's segment): True when
+        the token was taken, False when there was none, None when another holder has the lock
+        (a peer claiming it, its client withdrawing it -- or its client holding it for good)."""
         if self._sem is not None:
             try:
                 self._sem.acquire(0)
                 return True
             except posix_ipc.BusyError:
                 return False
-        if not self._addr or not lock_segment(lock_fd):
+        if not self._addr:
             return False
+        if not lock_segment(lock_fd):
+            return None
         try:
             return _has_token(self._addr) and _wake_op(self._addr, 0, _CLEAR)
         finally:

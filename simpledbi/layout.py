@@ -28,7 +28,7 @@ import numpy as np
 from .shm import Segment, ns_path
 
 MAGIC = 0x31494244535F  # "_SDBI1"
-VERSION = 5
+VERSION = 6
 MAX_IO = 8          # inputs and outputs per request
 MAX_NAMES = 48      # input names a model declares: bits 0..47 of a request's ``flags``
 MAX_NDIM = 8        # dimensions of one item (an input or output row)
@@ -101,6 +101,7 @@ CLAIM = np.dtype([("token", "<u8"), ("seq", "<i8"), ("instance", "<i8"), ("pid",
 COUNTERS = np.dtype([
     ("requests", "<i8"), ("batches", "<i8"), ("rows", "<i8"), ("errors", "<i8"),
     ("ring_head", "<i8"), ("isolated", "<i8"), ("bad_requests", "<i8"), ("over_target", "<i8"),
+    ("claims_refused", "<i8"),
 ])
 # batch record fields (seconds unless noted): where a batch's time went
 B_FIELDS = ("t_close", "rows", "requests", "queue_wait", "gather", "h2d", "forward", "d2h",

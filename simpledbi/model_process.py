@@ -196,6 +196,11 @@ class ModelServer:
         self._open: Dict[int, Request] = {}    # id -> every request claimed and not answered yet
         self.retired: set = set()              # replaced peers that still owe answers
         self._failed: Dict[int, Tuple[int, int]] = {}  # slot -> (token, seq) whose claim failed
+        # ... because someone held the slot's claim lock: a peer process claiming it or its client
+        # withdrawing it (the token is gone a moment later), or its client holding the lock for
+        # good. Retried at the next maintenance pass, not at every ring: a client's own rings
+        # must not buy a claim attempt on each of its locked slots.
+        self._locked: Dict[int, Tuple[int, int]] = {}
         # NOTE [hidden requests]: slots whose request waits unclaimed although their table row
         # does not say so -- another client rewrote the row. Found through the slots' own ``rdy``
         # semaphores, which only their owners post (see _sweep).
@@ -405,6 +410,7 @@ class ModelServer:
         self._suspect = False
         self._sweep()
         self._failed.clear()  # a failed claim is not retried before a ring or this, no longer
+        self._locked.clear()
         self._rescan = True
         seen, t = self._first_seen, self.table
         for s in [s for s, (q, _) in seen.items() if t.state[s] != PUBLISHED or t.seq[s] != q]:
@@ -424,11 +430,15 @@ class ModelServer:
         if self.retiring:
             return
         tw_u, state = self._tw_u, self.table.state
+        # A handle whose claim lock was held lately waits a poll interval: else every doorbell
+        # ring would retry each such handle (a client holding its own locks, ringing).
+        recent = self._last_sweep - self.poll
         for slot, peer in self.peers.items():
-            if peer.waiting() and not (state[slot] == PUBLISHED and tw_u[slot * SLOT_WORDS + T_TOKEN] == peer.token):
+            if peer.refused_at < recent and peer.waiting() and \
+                    not (state[slot] == PUBLISHED and tw_u[slot * SLOT_WORDS + T_TOKEN] == peer.token):
                 self._hidden[slot] = peer.token
         for (slot, token), peer in self.aside.items():
-            if peer.waiting():
+            if peer.refused_at < recent and peer.waiting():
                 self._hidden[slot] = token
         self._hidden_seen = bool(self._hidden)   # under attack: look again at every empty ring
 
@@ -544,7 +554,7 @@ class ModelServer:
     def _scan_rows(self, pub: np.ndarray) -> Tuple[List[int], int]:
         """_scan's look at the PUBLISHED rows ``pub``: (unclaimed ones, answered ones)."""
         t = self.table
-        failed, seen, now = self._failed, self._first_seen, time.monotonic()
+        failed, locked, seen, now = self._failed, self._locked, self._first_seen, time.monotonic()
         soon = 0
         if pub.size <= 16:  # the common case: a few plain ints beat a dozen vector operations
             tw, tw_u, cw, cw_u = self._tw, self._tw_u, self.claim_words, self._claims_u
@@ -557,7 +567,7 @@ class ModelServer:
                         soon += 1
                     if cw[c + CL_SEQ] == q:
                         continue
-                if failed and failed.get(s) == (k, q):
+                if (failed and failed.get(s) == (k, q)) or (locked and locked.get(s) == (k, q)):
                     continue
                 first = seen.get(s)
                 if first is None or first[0] != q:
@@ -570,8 +580,9 @@ class ModelServer:
         keep = ~(same & (self.claim_seq[pub] == seqs))
         out = pub[keep].tolist()
         qs = seqs[keep].tolist()
-        if failed:
-            pairs = [(s, q) for s, k, q in zip(out, toks[keep].tolist(), qs) if failed.get(s) != (k, q)]
+        if failed or locked:
+            pairs = [(s, q) for s, k, q in zip(out, toks[keep].tolist(), qs)
+                     if failed.get(s) != (k, q) and locked.get(s) != (k, q)]
             out, qs = [s for s, _ in pairs], [q for _, q in pairs]
         for s, q in zip(out, qs):
             first = seen.get(s)
@@ -589,8 +600,13 @@ class ModelServer:
                 peer = self.aside.get((slot, token))
         else:
             peer = self._peer(slot, token)
-        if peer is None or not peer.try_claim():
-            self._failed[slot] = (token, seq_hint)  # this attach's request: not again this interval
+        got = peer.try_claim() if peer is not None else False
+        if not got:
+            if got is None:
+                self.counters["claims_refused"] += 1
+                self._locked[slot] = (token, seq_hint)
+            else:
+                self._failed[slot] = (token, seq_hint)  # this attach's request: not again this interval
             return None
         peer.inflight += 1
         try:

@@ -570,6 +570,7 @@ class Peer:
         self.answered_at = 0.0   # when this process last woke the client (time.monotonic) ...
         self.answered_seq = -1   # ... and for which request
         self.last_ok = 0.0       # when a claim through this handle last succeeded
+        self.refused_at = 0.0    # ... and last found its claim lock held by someone else
         self._last = None        # the last request validated: its static header bytes and result
         self._heads = {}         # response header prefixes by output signature
         # The segment a client created, not what it may have put at its path since: no symlink
@@ -589,10 +590,13 @@ class Peer:
             self.close()
             raise
 
-    def try_claim(self) -> bool:
+    def try_claim(self) -> Optional[bool]:
         """Take the request's ``rdy`` token (under the slot's claim lock, which the client's
-        withdrawal takes too)."""
-        return self.ready.take(self.fd)
+        withdrawal takes too): True, False when there is none, None when the lock is held."""
+        got = self.ready.take(self.fd)
+        if got is None:
+            self.refused_at = time.monotonic()
+        return got
 
     def waiting(self) -> bool:
         """Is a request of this slot published and claimed by nobody? (``rdy`` is posted: only

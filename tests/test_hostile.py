@@ -1204,3 +1204,63 @@ def test_a_replayed_header_over_pages_turned_back_into_holes_is_refused(start_ru
             m._await(s, s.seq, time.monotonic() + 30)
         np.testing.assert_array_equal(m.forward(x), x * 2 + 1)   # written for real: served
     _honest(rt, "affine")
+
+
+# ---------------------------------------------------------------- thirteenth round (2026-11-27)
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("hidden", [False, True], ids=["published", "hidden"])
+def test_a_client_holding_its_own_claim_locks_does_not_buy_a_claim_per_ring(start_runtime, hidden):
+    # Round 12: a client that held the claim lock of 200 of its own slots, each with a request
+    # (its row published, or hidden), and rang the doorbell 500 times a second kept a model
+    # process at 40-60% of a core: every ring retried every locked slot. Now a slot whose lock was
+    # held is retried once per poll interval; its requests are served once the lock goes.
+    from simpledbi.config import RuntimeOptions
+    from simpledbi.foreign_sem import lock_segment, unlock_segment
+    from simpledbi.layout import IDLE
+    from simpledbi.slots import ClientSlot
+    poll, k, rings = 1.0, 12, 60
+    rt = start_runtime(cpu_model("affine", models.affine, max_batch_size=4),
+                       options=RuntimeOptions(poll_interval=poll, join_timeout=10.0))
+    refused = rt.ctls["affine"].counters["claims_refused"]
+    door = rt.doorbells["affine"]
+    with SharedModel("affine", max_shape=(1, 2), namespace=rt.namespace) as m:
+        x = np.ones((1, 2), np.float32)
+        np.testing.assert_array_equal(m.forward(x), x * 2 + 1)
+        h = m._h
+        slots, seqs = [], []
+        try:
+            for i in range(k):
+                s = ClientSlot(h.namespace, h.name, h.ctl, h.table, h.doorbell, m.max_shapes, m.dtypes)
+                slots.append(s)
+                assert lock_segment(s.seg.fd)
+                seqs.append(s.publish([np.full((1, 2), i, np.float32)]))
+                if hidden:
+                    s.table.state[s.index] = IDLE
+            door.release()
+            _wait_for(lambda: int(refused.sum()) >= k)   # each locked slot found and tried once
+            base, t0 = int(refused.sum()), time.monotonic()
+            for _ in range(rings):
+                door.release()
+                deadline = time.monotonic() + 10
+                while door.value:   # the model process took the ring
+                    assert time.monotonic() < deadline, "ring not taken"
+                    threading.Event().wait(0.0005)
+            elapsed = time.monotonic() - t0
+            tried = int(refused.sum()) - base
+            # at most one more try per slot per maintenance pass (and the sweep after it); each
+            # ring retried every slot before
+            assert tried <= k * 2 * (elapsed / poll + 1), (tried, elapsed)
+            np.testing.assert_array_equal(m.forward(2 * x), 2 * x * 2 + 1)
+            for s in slots:
+                unlock_segment(s.seg.fd)
+                if hidden:
+                    s.table.state[s.index] = PUBLISHED
+            door.release()
+            for i, (s, q) in enumerate(zip(slots, seqs)):
+                assert s.wait(q, 4 * poll + 10), f"slot {i}: its request was never served"
+                assert s.response()[0] == 0, s.response()
+                np.testing.assert_array_equal(s.outputs()[0], np.full((1, 2), 2 * i + 1, np.float32))
+        finally:
+            for s in slots:
+                s.detach()
+    _honest(rt, "affine")
