@@ -101,7 +101,7 @@ CLAIM = np.dtype([("token", "<u8"), ("seq", "<i8"), ("instance", "<i8"), ("pid",
 COUNTERS = np.dtype([
     ("requests", "<i8"), ("batches", "<i8"), ("rows", "<i8"), ("errors", "<i8"),
     ("ring_head", "<i8"), ("isolated", "<i8"), ("bad_requests", "<i8"), ("over_target", "<i8"),
-    ("claims_refused", "<i8"),
+    ("claims_missed", "<i8"), ("reserved", "<i8", (7,)),   # 128 bytes a row
 ])
 # batch record fields (seconds unless noted): where a batch's time went
 B_FIELDS = ("t_close", "rows", "requests", "queue_wait", "gather", "h2d", "forward", "d2h",
