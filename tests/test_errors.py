@@ -63,6 +63,13 @@ def test_unknown_model_name_lists_the_available_ones(affine):
         SharedModel("nope", max_shape=(1, 3), namespace=affine.namespace)
 
 
+def test_a_name_no_model_can_have_is_a_lookup_error_not_an_os_error(affine):
+    # "m" * 300 made an OSError (file name too long) when the runtime's files were looked up
+    for name in ("m" * 300, "a/b", ""):
+        with pytest.raises(LookupError, match="model names are 1-48 letters"):
+            SharedModel(name, max_shape=(1, 3), namespace=affine.namespace)
+
+
 def test_no_runtime_at_all(monkeypatch):
     monkeypatch.delenv("SIMPLEDBI_NAMESPACE", raising=False)
     with pytest.raises(LookupError, match="no simpledbi runtime"):
