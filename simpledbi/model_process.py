@@ -63,7 +63,12 @@ _RECORD = struct.Struct(f"<{len(B_FIELDS)}d")   # one batch record of the ring
 _BUSY_POLL = 0.0002
 _SEM_VALUE = posix_ipc.SEMAPHORE_VALUE_SUPPORTED
 _DRAIN_MAX = 4096   # doorbell rings taken per pass (about a millisecond): see _drain_doorbell
-_RETRY_BUDGET = 8   # claims tried per scan on slots that got nothing lately: see _scan_rows
+# NOTE [rewritten rows] (_scan_rows): slots whose claim got nothing lately
+_CHECK_EVERY = 0.005     # ... are looked at once per this many seconds each at most, doubling up
+_CHECK_MAX = 0.02       # to this while a handle's rdy shows nothing
+_UNKNOWN_EVERY = 0.002  # ... and those naming no handle I hold tried _RETRY_BUDGET at a time, at most this often
+_RANKED_EVERY = 0.002   # ... and the _RETRY_BUDGET that served a request most recently, at most this often
+_RETRY_BUDGET = 8
 
 
 @dataclass(frozen=True)
@@ -203,15 +208,20 @@ class ModelServer:
         # must not buy a claim attempt on each of its locked slots.
         self._locked: Dict[int, Tuple[int, int]] = {}
         # Per slot: when a claim on it last got nothing (no token, lock held, nothing to open, a
-        # token posted again) and when one last succeeded. Rows are hints anyone may rewrite --
-        # a new seq before each ring makes each row a new (token, seq) -- so slots that got
-        # nothing within a poll interval are tried within a budget per scan, those that served
-        # a request most recently first (NOTE [rewritten rows], _scan_rows).
-        self._missed_at = np.zeros(self.ctl.max_slots)
-        self._missed_seq = np.full(self.ctl.max_slots, -1, np.int64)   # ... under this seq hint
-        self._ok_at = np.zeros(self.ctl.max_slots)
-        self._missed_w, self._ok_w = words(self._missed_at, "d"), words(self._ok_at, "d")
-        self._missed_q = words(self._missed_seq)
+        # token posted again), under which seq hint, when such a slot was last looked at, and a
+        # token that named nothing to open. Rows are hints anyone may rewrite -- a new seq
+        # before each ring makes each row a new (token, seq): NOTE [rewritten rows].
+        n = self.ctl.max_slots
+        self._missed_at, self._next_look = np.zeros(n), np.zeros(n)
+        self._look_gap = np.full(n, _CHECK_EVERY)
+        self._missed_seq = np.full(n, -1, np.int64)
+        self._ok_at = np.zeros(n)   # when a claim on the slot last succeeded
+        self._nopeer = np.zeros(n, np.uint64)
+        self._missed_w, self._next_w = words(self._missed_at, "d"), words(self._next_look, "d")
+        self._gap_w = words(self._look_gap, "d")
+        self._missed_q, self._nopeer_w = words(self._missed_seq), words(self._nopeer, "Q")
+        self._unknown_at = self._ranked_at = 0.0
+        self._ok_w = words(self._ok_at, "d")
         # NOTE [hidden requests]: slots whose request waits unclaimed although their table row
         # does not say so -- another client rewrote the row. Found through the slots' own ``rdy``
         # semaphores, which only their owners post (see _sweep).
@@ -445,8 +455,10 @@ class ModelServer:
         # ring would retry each such handle (a client holding its own locks, ringing).
         recent = self._last_sweep - self.poll
         for slot, peer in self.peers.items():
-            if peer.refused_at < recent and peer.waiting() and \
-                    not (state[slot] == PUBLISHED and tw_u[slot * SLOT_WORDS + T_TOKEN] == peer.token):
+            # a row that shows its request is the scan's (NOTE [rewritten rows]): no syscall here
+            if peer.refused_at < recent and not (
+                    state[slot] == PUBLISHED and tw_u[slot * SLOT_WORDS + T_TOKEN] == peer.token) \
+                    and peer.waiting():
                 self._hidden[slot] = peer.token
         for (slot, token), peer in self.aside.items():
             if peer.refused_at < recent and peer.waiting():
@@ -569,21 +581,28 @@ class ModelServer:
         request under a (token, seq) whose claim failed before -- so every new (token, seq) is
         worth a try. A client that writes a new seq into many rows before each ring would buy a
         claim attempt per row per ring (one process at 80-99% of a core, honest throughput -70%).
-        So slots whose claim got nothing within a poll interval are tried at most _RETRY_BUDGET
-        per scan, those that last served a request most recently first: an honest client whose
-        row is being rewritten keeps its place (its claims succeed), rows that never served
-        anyone come last. Not limited: slots that did not miss lately, and a row that names the
-        request after the last one claimed (by any process) on that slot, when its miss was for
-        an older one -- a process that lost a race to a peer tries that client's next request
-        as usual (2-6% of claims miss that way with several model processes under load)."""
+        So the rows of a slot whose claim got nothing within a poll interval are tried by time,
+        not per ring: every _RANKED_EVERY, the _RETRY_BUDGET slots on which I served a request
+        most recently (an honest client whose row is being rewritten is served at once, its
+        claims succeed); and each such slot is looked at once per _CHECK_EVERY at most, which
+        nobody can outrank: when the row names the handle I hold, its ``rdy`` says whether a
+        request waits (only its owner posts it: served within _CHECK_EVERY, or _CHECK_MAX
+        after a pause -- the gap doubles while nothing waits; a handle whose claim lock was
+        held waits for the next maintenance pass); otherwise (a token I have no handle on) it is tried
+        _RETRY_BUDGET at a time, the one that missed longest ago first, at most every
+        _UNKNOWN_EVERY, and a token that named nothing to open is not tried again while the
+        slot keeps missing. Not limited: slots that did not miss lately, and a row naming the
+        request after the last one claimed on that slot (by any process) when its miss was for
+        another seq -- a process that lost a race to a peer tries that client's next request at
+        once (2-6% of claims miss that way with several model processes under load)."""
         t = self.table
         failed, locked, seen, now = self._failed, self._locked, self._first_seen, time.monotonic()
         recent = now - self.poll
         soon = 0
         if pub.size <= 16:  # the common case: a few plain ints beat a dozen vector operations
             tw, tw_u, cw, cw_u = self._tw, self._tw_u, self.claim_words, self._claims_u
-            missed, missed_q = self._missed_w, self._missed_q
-            out, retry = [], None
+            missed, missed_q, next_look = self._missed_w, self._missed_q, self._next_w
+            out, cand = [], None
             for s in pub.tolist():
                 row, c = s * SLOT_WORDS, s * CLAIM_WORDS
                 q, k = tw[row + T_SEQ], tw_u[row + T_TOKEN]
@@ -594,21 +613,20 @@ class ModelServer:
                         continue
                 if (failed and failed.get(s) == (k, q)) or (locked and locked.get(s) == (k, q)):
                     continue
-                if missed[s] > recent and not (cw_u[c + CL_TOKEN] == k and
-                                               cw[c + CL_SEQ] + 1 == q > missed_q[s]):
-                    if retry is None:
-                        retry = []
-                    retry.append(s)
+                if missed[s] > recent and not (cw_u[c + CL_TOKEN] == k and cw[c + CL_SEQ] + 1 == q
+                                               and missed_q[s] != q):
+                    if cand is None:
+                        cand, ranked = [], []
+                    ranked.append(s)
+                    if next_look[s] <= now:
+                        cand.append((s, k))
                     continue
                 first = seen.get(s)
                 if first is None or first[0] != q:
                     seen[s] = (q, now)
                 out.append(s)
-            if retry:
-                if len(retry) > _RETRY_BUDGET:
-                    retry.sort(key=self._ok_w.__getitem__, reverse=True)
-                    del retry[_RETRY_BUDGET:]
-                for s in retry:
+            if cand is not None:
+                for s in self._retry(cand, now, ranked):
                     q = tw[s * SLOT_WORDS + T_SEQ]
                     first = seen.get(s)
                     if first is None or first[0] != q:
@@ -620,22 +638,66 @@ class ModelServer:
         soon = int(np.count_nonzero(same & (self.claim_done[pub] == seqs)))
         keep = ~(same & (self.claim_seq[pub] == seqs))
         retry = keep & (self._missed_at[pub] > recent)
+        chosen: List[int] = []
         if retry.any():
-            retry &= ~(same & (self.claim_seq[pub] + 1 == seqs) & (self._missed_seq[pub] < seqs))
-        if np.count_nonzero(retry) > _RETRY_BUDGET:
-            idx = np.flatnonzero(retry)
-            keep[idx[np.argsort(-self._ok_at[pub[idx]], kind="stable")[_RETRY_BUDGET:]]] = False
+            retry &= ~(same & (self.claim_seq[pub] + 1 == seqs) & (self._missed_seq[pub] != seqs))
+            keep &= ~retry
+            look = retry & (self._next_look[pub] <= now)
+            chosen = self._retry(zip(pub[look].tolist(), toks[look].tolist()), now, pub[retry])
         out = pub[keep].tolist()
         qs = seqs[keep].tolist()
+        if chosen:
+            tw = self._tw
+            out += chosen
+            qs += [tw[s * SLOT_WORDS + T_SEQ] for s in chosen]
         if failed or locked:
-            pairs = [(s, q) for s, k, q in zip(out, toks[keep].tolist(), qs)
-                     if failed.get(s) != (k, q) and locked.get(s) != (k, q)]
+            tw_u = self._tw_u
+            pairs = [(s, q) for s, q in zip(out, qs)
+                     if failed.get(s) != (tw_u[s * SLOT_WORDS + T_TOKEN], q) and
+                     locked.get(s) != (tw_u[s * SLOT_WORDS + T_TOKEN], q)]
             out, qs = [s for s, _ in pairs], [q for _, q in pairs]
         for s, q in zip(out, qs):
             first = seen.get(s)
             if first is None or first[0] != q:
                 seen[s] = (q, now)
         return out, soon
+
+    def _retry(self, cand, now: float, ranked) -> List[int]:
+        """NOTE [rewritten rows]: which rows of slots that missed lately to try now: of
+        ``ranked`` (all of them), the _RETRY_BUDGET on which a request was served most recently,
+        at most every _RANKED_EVERY; of the (slot, token) rows ``cand`` (those due for a look),
+        the ones whose handle's ``rdy`` shows a request, and a few naming no handle I hold."""
+        out, unknown = [], []
+        if len(ranked) and now - self._ranked_at >= _RANKED_EVERY:
+            self._ranked_at = now
+            if len(ranked) > _RETRY_BUDGET:
+                ranked = np.asarray(ranked)
+                ranked = ranked[np.argsort(-self._ok_at[ranked], kind="stable")[:_RETRY_BUDGET]]
+            out = [s for s in (ranked.tolist() if isinstance(ranked, np.ndarray) else ranked)
+                   if self._ok_w[s] > 0.0]
+        next_look, gap, nopeer, peers = self._next_w, self._gap_w, self._nopeer_w, self.peers
+        locked_since = now - self.poll
+        for s, k in cand:
+            p = peers.get(s)
+            if p is not None and p.token == k:
+                # (a lock held lately waits for maintenance, like self._locked)
+                if p.refused_at < locked_since and p.waiting():
+                    out.append(s)
+                    gap[s] = _CHECK_EVERY
+                else:
+                    gap[s] = min(gap[s] * 2, _CHECK_MAX)
+                next_look[s] = now + gap[s]
+                continue
+            next_look[s] = now + _CHECK_EVERY
+            if nopeer[s] != k:
+                unknown.append(s)
+        if unknown and now - self._unknown_at >= _UNKNOWN_EVERY:
+            self._unknown_at = now
+            if len(unknown) > _RETRY_BUDGET:
+                unknown.sort(key=self._missed_w.__getitem__)
+                del unknown[_RETRY_BUDGET:]
+            out += unknown
+        return list(dict.fromkeys(out)) if len(out) > 1 else out
 
     def _claim(self, slot: int, now: float) -> Optional[Request]:
         row = slot * SLOT_WORDS
@@ -650,6 +712,8 @@ class ModelServer:
         got = peer.try_claim() if peer is not None else False
         if not got:
             self._missed_w[slot], self._missed_q[slot] = now, seq_hint
+            if peer is None and hidden is None:
+                self._nopeer_w[slot] = token   # names nothing: not tried again while it misses
             self.counters["claims_missed"] += 1
             if got is None:
                 self._locked[slot] = (token, seq_hint)
