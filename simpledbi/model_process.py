@@ -64,10 +64,10 @@ _BUSY_POLL = 0.0002
 _SEM_VALUE = posix_ipc.SEMAPHORE_VALUE_SUPPORTED
 _DRAIN_MAX = 4096   # doorbell rings taken per pass (about a millisecond): see _drain_doorbell
 # NOTE [rewritten rows] (_scan_rows): slots whose claim got nothing lately
-_CHECK_EVERY = 0.005     # ... are looked at once per this many seconds each at most, doubling up
-_CHECK_MAX = 0.02       # to this while a handle's rdy shows nothing
-_UNKNOWN_EVERY = 0.002  # ... and those naming no handle I hold tried _RETRY_BUDGET at a time, at most this often
-_RANKED_EVERY = 0.002   # ... and the _RETRY_BUDGET that served a request most recently, at most this often
+_CHECK_EVERY = 0.005    # ... are each looked at once per this many seconds at most, doubling up
+_CHECK_MAX = 0.02       # to this while a handle's rdy shows nothing;
+_RANKED_EVERY = 0.002   # the _RETRY_BUDGET served here most recently are tried this often,
+_UNKNOWN_EVERY = 0.002  # and _RETRY_BUDGET rows naming no handle I hold this often
 _RETRY_BUDGET = 8
 
 
@@ -588,8 +588,8 @@ class ModelServer:
         nobody can outrank: when the row names the handle I hold, its ``rdy`` says whether a
         request waits (only its owner posts it: served within _CHECK_EVERY, or _CHECK_MAX
         after a pause -- the gap doubles while nothing waits; a handle whose claim lock was
-        held waits for the next maintenance pass); otherwise (a token I have no handle on) it is tried
-        _RETRY_BUDGET at a time, the one that missed longest ago first, at most every
+        held waits for the next maintenance pass); a row naming a token I have no handle on is
+        tried _RETRY_BUDGET at a time, the one that missed longest ago first, at most every
         _UNKNOWN_EVERY, and a token that named nothing to open is not tried again while the
         slot keeps missing. Not limited: slots that did not miss lately, and a row naming the
         request after the last one claimed on that slot (by any process) when its miss was for
@@ -670,11 +670,10 @@ class ModelServer:
         out, unknown = [], []
         if len(ranked) and now - self._ranked_at >= _RANKED_EVERY:
             self._ranked_at = now
-            if len(ranked) > _RETRY_BUDGET:
-                ranked = np.asarray(ranked)
+            ranked = np.asarray(ranked)
+            if ranked.size > _RETRY_BUDGET:
                 ranked = ranked[np.argsort(-self._ok_at[ranked], kind="stable")[:_RETRY_BUDGET]]
-            out = [s for s in (ranked.tolist() if isinstance(ranked, np.ndarray) else ranked)
-                   if self._ok_w[s] > 0.0]
+            out = [s for s in ranked.tolist() if self._ok_w[s] > 0.0]   # served here once, at least
         next_look, gap, nopeer, peers = self._next_w, self._gap_w, self._nopeer_w, self.peers
         locked_since = now - self.poll
         for s, k in cand:
