@@ -217,11 +217,15 @@ class ModelServer:
         self._missed_seq = np.full(n, -1, np.int64)
         self._ok_at = np.zeros(n)   # when a claim on the slot last succeeded
         self._nopeer = np.zeros(n, np.uint64)
+        # a slot whose owner posted its token again (no honest client does): until when its rows
+        # under that token are not looked at, at all
+        self._banned_until, self._banned_tok = np.zeros(n), np.zeros(n, np.uint64)
         self._missed_w, self._next_w = words(self._missed_at, "d"), words(self._next_look, "d")
         self._gap_w = words(self._look_gap, "d")
         self._missed_q, self._nopeer_w = words(self._missed_seq), words(self._nopeer, "Q")
         self._unknown_at = self._ranked_at = 0.0
         self._ok_w = words(self._ok_at, "d")
+        self._banned_w, self._banned_tok_w = words(self._banned_until, "d"), words(self._banned_tok, "Q")
         # NOTE [hidden requests]: slots whose request waits unclaimed although their table row
         # does not say so -- another client rewrote the row. Found through the slots' own ``rdy``
         # semaphores, which only their owners post (see _sweep).
@@ -591,7 +595,9 @@ class ModelServer:
         held waits for the next maintenance pass); a row naming a token I have no handle on is
         tried _RETRY_BUDGET at a time, the one that missed longest ago first, at most every
         _UNKNOWN_EVERY, and a token that named nothing to open is not tried again while the
-        slot keeps missing. Not limited: slots that did not miss lately, and a row naming the
+        slot keeps missing. A slot whose owner posted its token again (no honest client does;
+        re-armed before each ring it bought a claim and a reject each time) is not looked at
+        under that token for a poll interval. Not limited: slots that did not miss lately, and a row naming the
         request after the last one claimed on that slot (by any process) when its miss was for
         another seq -- a process that lost a race to a peer tries that client's next request at
         once (2-6% of claims miss that way with several model processes under load)."""
@@ -602,6 +608,7 @@ class ModelServer:
         if pub.size <= 16:  # the common case: a few plain ints beat a dozen vector operations
             tw, tw_u, cw, cw_u = self._tw, self._tw_u, self.claim_words, self._claims_u
             missed, missed_q, next_look = self._missed_w, self._missed_q, self._next_w
+            banned, banned_tok = self._banned_w, self._banned_tok_w
             out, cand = [], None
             for s in pub.tolist():
                 row, c = s * SLOT_WORDS, s * CLAIM_WORDS
@@ -612,6 +619,8 @@ class ModelServer:
                     if cw[c + CL_SEQ] == q:
                         continue
                 if (failed and failed.get(s) == (k, q)) or (locked and locked.get(s) == (k, q)):
+                    continue
+                if banned[s] > now and banned_tok[s] == k:
                     continue
                 if missed[s] > recent and not (cw_u[c + CL_TOKEN] == k and cw[c + CL_SEQ] + 1 == q
                                                and missed_q[s] != q):
@@ -637,6 +646,7 @@ class ModelServer:
         same = self.claim_token[pub] == toks
         soon = int(np.count_nonzero(same & (self.claim_done[pub] == seqs)))
         keep = ~(same & (self.claim_seq[pub] == seqs))
+        keep &= ~((self._banned_until[pub] > now) & (self._banned_tok[pub] == toks))
         retry = keep & (self._missed_at[pub] > recent)
         chosen: List[int] = []
         if retry.any():
@@ -673,7 +683,9 @@ class ModelServer:
             ranked = np.asarray(ranked)
             if ranked.size > _RETRY_BUDGET:
                 ranked = ranked[np.argsort(-self._ok_at[ranked], kind="stable")[:_RETRY_BUDGET]]
-            out = [s for s in ranked.tolist() if self._ok_w[s] > 0.0]   # served here once, at least
+            locked_since, peers = now - self.poll, self.peers
+            out = [s for s in ranked.tolist() if self._ok_w[s] > 0.0 and   # served here once
+                   (s not in peers or peers[s].refused_at < locked_since)]
         next_look, gap, nopeer, peers = self._next_w, self._gap_w, self._nopeer_w, self.peers
         locked_since = now - self.poll
         for s, k in cand:
@@ -746,6 +758,9 @@ class ModelServer:
             peer.inflight -= 1
             self._failed[slot] = (token, seq_hint)
             self._missed_w[slot], self._missed_q[slot] = now, seq_hint
+            # No honest client does this: its rows under this token are not looked at for a poll
+            # interval (a token re-armed before each ring bought a claim and a reject each time).
+            peer.refused_at, self._banned_w[slot], self._banned_tok_w[slot] = now, now + self.poll, token
             if req.seq < seq_hint < 2**62:
                 write_claim(self.claim_words, slot, token, seq_hint, self.me, self.pid)
                 self._reject(peer, seq_hint, f"the request header says seq {req.seq}, answered "
@@ -874,6 +889,16 @@ class ModelServer:
         batch: List[Request] = []
         c = _Collecting(limit=self.max_batch)
         self._fill(batch, c, pending)
+        if pending and not batch and not self.deferred and \
+                time.monotonic() - self._last_sweep > 0.01:
+            # Every claim failed: maybe rows were rewritten over requests that wait (a new
+            # token in each row before each ring hides them from the scan) -- look through my
+            # handles as for an empty ring, at most every 10 ms.
+            self._suspect = True
+            self._sweep()
+            if self._hidden:
+                pending, may = self._scan()
+                self._fill(batch, c, pending)
         self._rescan = bool(pending) and not batch   # only failed claims: scan again next time
         if not batch:
             return []

@@ -570,7 +570,7 @@ class Peer:
         self.answered_at = 0.0   # when this process last woke the client (time.monotonic) ...
         self.answered_seq = -1   # ... and for which request
         self.last_ok = 0.0       # when a claim through this handle last succeeded
-        self.refused_at = 0.0    # ... and last found its claim lock held by someone else
+        self.refused_at = 0.0    # ... and last found its claim lock held, or its token re-posted
         self._last = None        # the last request validated: its static header bytes and result
         self._heads = {}         # response header prefixes by output signature
         # The segment a client created, not what it may have put at its path since: no symlink

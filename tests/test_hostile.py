@@ -1368,3 +1368,36 @@ def test_rows_rewritten_while_the_attacker_is_served_often_do_not_starve_an_hone
     # before: some calls waited until their slot's miss aged (up to poll_interval); now 5-20 ms
     assert not slow, slow
     _honest(rt, "affine")
+
+
+# ---------------------------------------------------------------- fifteenth round (2026-11-27)
+@pytest.mark.timeout(120)
+def test_a_token_re_armed_before_every_ring_buys_one_reject_per_poll_interval(start_runtime):
+    # Round 15: a client that posted its own answered slot's rdy again and wrote a higher seq
+    # into its row before each ring bought a claim, a header read and a reject per ring: 300
+    # such slots at 1000 rings/s took a model process to 89% of a core and honest throughput
+    # -87%. Now such a slot's rows under that token are not looked at for a poll interval.
+    from simpledbi.config import RuntimeOptions
+    poll, rings = 2.0, 60
+    rt = start_runtime(cpu_model("affine", models.affine, max_batch_size=4),
+                       options=RuntimeOptions(poll_interval=poll, join_timeout=10.0))
+    bad, door = rt.ctls["affine"].counters["bad_requests"], rt.doorbells["affine"]
+    with SharedModel("affine", max_shape=(1, 2), namespace=rt.namespace) as m:
+        x = np.ones((1, 2), np.float32)
+        np.testing.assert_array_equal(m.forward(x), x * 2 + 1)
+        s = m._h.idle[0]
+        base, t0 = int(bad.sum()), time.monotonic()
+        for r in range(rings):
+            s.ready.release()
+            s.table.seq[s.index] = 10**6 + r
+            s.table.state[s.index] = PUBLISHED
+            door.release()
+            deadline = time.monotonic() + 10
+            while door.value:   # the model process took the ring
+                assert time.monotonic() < deadline, "ring not taken"
+                threading.Event().wait(0.0005)
+        elapsed = time.monotonic() - t0
+        rejects = int(bad.sum()) - base
+        assert rejects >= 1, "the re-armed token was never claimed: the test tests nothing"
+        assert rejects <= 2 * (1 + elapsed / poll), (rejects, elapsed)
+    _honest(rt, "affine")   # (the attacker's own next call may get the rejection: its fault)
