@@ -50,6 +50,15 @@ def _wait_for(cond, timeout=30.0):
         threading.Event().wait(0.01)  # bounded wait on a shared-memory condition
 
 
+def _ring_and_wait(door, timeout=10.0):
+    """Ring the model's doorbell and wait until a model process has taken the ring."""
+    door.release()
+    deadline = time.monotonic() + timeout
+    while door.value:
+        assert time.monotonic() < deadline, "ring not taken"
+        threading.Event().wait(0.0005)   # bounded wait on a semaphore's value
+
+
 @contextlib.contextmanager
 def _hostile_process(code: str, *args: str):
     """Run a hostile client script until the block ends (it stops when its stdin closes);
@@ -1240,11 +1249,7 @@ def test_a_client_holding_its_own_claim_locks_does_not_buy_a_claim_per_ring(star
             _wait_for(lambda: int(refused.sum()) >= k)   # each locked slot found and tried once
             base, t0 = int(refused.sum()), time.monotonic()
             for _ in range(rings):
-                door.release()
-                deadline = time.monotonic() + 10
-                while door.value:   # the model process took the ring
-                    assert time.monotonic() < deadline, "ring not taken"
-                    threading.Event().wait(0.0005)
+                _ring_and_wait(door)
             elapsed = time.monotonic() - t0
             tried = int(refused.sum()) - base
             # at most one more try per slot per maintenance pass (and the sweep after it); each
@@ -1291,11 +1296,7 @@ def test_rows_rewritten_before_every_ring_buy_a_few_claims_not_one_per_row(start
             seq += 1
             table.seq[forged] = seq
             table.state[forged] = PUBLISHED
-            door.release()
-            deadline = time.monotonic() + 10
-            while door.value:   # the model process took the ring
-                assert time.monotonic() < deadline, "ring not taken"
-                threading.Event().wait(0.0005)
+            _ring_and_wait(door)
             if r % 10 == 9:   # an honest call meanwhile: exact, and not held up
                 np.testing.assert_array_equal(m.forward(r * x, timeout=5), r * x * 2 + 1)
         elapsed = time.monotonic() - t0
@@ -1391,11 +1392,7 @@ def test_a_token_re_armed_before_every_ring_buys_one_reject_per_poll_interval(st
             s.ready.release()
             s.table.seq[s.index] = 10**6 + r
             s.table.state[s.index] = PUBLISHED
-            door.release()
-            deadline = time.monotonic() + 10
-            while door.value:   # the model process took the ring
-                assert time.monotonic() < deadline, "ring not taken"
-                threading.Event().wait(0.0005)
+            _ring_and_wait(door)
         elapsed = time.monotonic() - t0
         rejects = int(bad.sum()) - base
         assert rejects >= 1, "the re-armed token was never claimed: the test tests nothing"
