@@ -455,17 +455,17 @@ class ModelServer:
         if self.retiring:
             return
         tw_u, state = self._tw_u, self.table.state
-        # A handle whose claim lock was held lately waits a poll interval: else every doorbell
+        # A handle whose claim lock was held lately waits (Peer.try_claim): else every doorbell
         # ring would retry each such handle (a client holding its own locks, ringing).
-        recent = self._last_sweep - self.poll
+        now = self._last_sweep
         for slot, peer in self.peers.items():
             # a row that shows its request is the scan's (NOTE [rewritten rows]): no syscall here
-            if peer.refused_at < recent and not (
+            if peer.refused_until <= now and not (
                     state[slot] == PUBLISHED and tw_u[slot * SLOT_WORDS + T_TOKEN] == peer.token) \
                     and peer.waiting():
                 self._hidden[slot] = peer.token
         for (slot, token), peer in self.aside.items():
-            if peer.refused_at < recent and peer.waiting():
+            if peer.refused_until <= now and peer.waiting():
                 self._hidden[slot] = token
         self._hidden_seen = bool(self._hidden)   # under attack: look again at every empty ring
 
@@ -683,16 +683,15 @@ class ModelServer:
             ranked = np.asarray(ranked)
             if ranked.size > _RETRY_BUDGET:
                 ranked = ranked[np.argsort(-self._ok_at[ranked], kind="stable")[:_RETRY_BUDGET]]
-            locked_since, peers = now - self.poll, self.peers
+            peers = self.peers
             out = [s for s in ranked.tolist() if self._ok_w[s] > 0.0 and   # served here once
-                   (s not in peers or peers[s].refused_at < locked_since)]
+                   (s not in peers or peers[s].refused_until <= now)]
         next_look, gap, nopeer, peers = self._next_w, self._gap_w, self._nopeer_w, self.peers
-        locked_since = now - self.poll
         for s, k in cand:
             p = peers.get(s)
             if p is not None and p.token == k:
-                # (a lock held lately waits for maintenance, like self._locked)
-                if p.refused_at < locked_since and p.waiting():
+                # (a lock held lately waits: Peer.try_claim)
+                if p.refused_until <= now and p.waiting():
                     out.append(s)
                     gap[s] = _CHECK_EVERY
                 else:
@@ -720,7 +719,7 @@ class ModelServer:
                 peer = self.aside.get((slot, token))
         else:
             peer = self._peer(slot, token)
-        got = peer.try_claim() if peer is not None else False
+        got = peer.try_claim(self.poll) if peer is not None else False
         if not got:
             self._missed_w[slot], self._missed_q[slot] = now, seq_hint
             if peer is None and hidden is None:
@@ -760,7 +759,8 @@ class ModelServer:
             self._missed_w[slot], self._missed_q[slot] = now, seq_hint
             # No honest client does this: its rows under this token are not looked at for a poll
             # interval (a token re-armed before each ring bought a claim and a reject each time).
-            peer.refused_at, self._banned_w[slot], self._banned_tok_w[slot] = now, now + self.poll, token
+            peer.refused_until = self._banned_w[slot] = now + self.poll
+            self._banned_tok_w[slot] = token
             if req.seq < seq_hint < 2**62:
                 write_claim(self.claim_words, slot, token, seq_hint, self.me, self.pid)
                 self._reject(peer, seq_hint, f"the request header says seq {req.seq}, answered "

@@ -85,6 +85,7 @@ logger = logging.getLogger(__name__)
 
 _SEQ_BYTES = np.dtype("<i8").itemsize
 _RECHECK_BYTES = 1 << 18   # requests this large have their segment's memory checked every time
+_REFUSED_FIRST = 0.005     # seconds a handle waits after its claim lock was found held (Peer.try_claim)
 
 
 # ================================================================ client side
@@ -570,7 +571,10 @@ class Peer:
         self.answered_at = 0.0   # when this process last woke the client (time.monotonic) ...
         self.answered_seq = -1   # ... and for which request
         self.last_ok = 0.0       # when a claim through this handle last succeeded
-        self.refused_at = 0.0    # ... and last found its claim lock held, or its token re-posted
+        # Not looked at (sweep, paced retries) before this: its claim lock was found held, or its
+        # token posted again (see try_claim and ModelServer._claim).
+        self.refused_until = 0.0
+        self._refuse_gap = 0.0
         self._last = None        # the last request validated: its static header bytes and result
         self._heads = {}         # response header prefixes by output signature
         # The segment a client created, not what it may have put at its path since: no symlink
@@ -590,12 +594,23 @@ class Peer:
             self.close()
             raise
 
-    def try_claim(self) -> Optional[bool]:
+    def try_claim(self, most: float) -> Optional[bool]:
         """Take the request's ``rdy`` token (under the slot's claim lock, which the client's
-        withdrawal takes too): True, False when there is none, None when the lock is held."""
+        withdrawal takes too): True, False when there is none, None when the lock is held.
+
+        A lock held is mostly a race: a peer model process taking this very request, or its
+        client withdrawing it, holds it for microseconds. So the first refusal keeps the handle
+        out of sweeps and retries for _REFUSED_FIRST only, and each refusal after it, with no
+        lock taken between, doubles that up to ``most`` (a client holding its own lock for good
+        buys a look per poll interval, not one per ring). A poll interval for every refusal
+        made honest clients of a model with two processes wait up to that long whenever a
+        forger hid their rows (round 16, docs/RELIABILITY.md)."""
         got = self.ready.take(self.fd)
         if got is None:
-            self.refused_at = time.monotonic()
+            self._refuse_gap = min(2.0 * self._refuse_gap or _REFUSED_FIRST, most)
+            self.refused_until = time.monotonic() + self._refuse_gap
+        else:
+            self._refuse_gap = 0.0
         return got
 
     def waiting(self) -> bool:
