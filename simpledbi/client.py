@@ -26,7 +26,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from . import naming
-from .config import _NAME_RE as _MODEL_NAME_RE
+from .config import MODEL_NAME_RE
 from . import stats as _stats
 from .errors import ModelError, ModelProcessDied, RuntimeStopped, RuntimeUnavailable
 from .layout import (
@@ -183,7 +183,7 @@ class SharedModel:
                  connect_timeout: float = 30.0):
         if not isinstance(name, str):
             raise TypeError(f"name: expected str, got {type(name).__name__}")
-        if not _MODEL_NAME_RE.match(name):   # no runtime can serve it (ModelConfig's rule)
+        if not MODEL_NAME_RE.match(name):   # no runtime can serve it (ModelConfig's rule)
             raise LookupError(f"no model can be named {name[:60]!r}{'...' if len(name) > 60 else ''}"
                               f": model names are 1-48 letters, digits, '_' or '-'")
         self.name = name

@@ -12,7 +12,7 @@ from typing import Any, Callable, Optional, Sequence, Tuple, Union
 
 __all__ = ["ModelConfig", "RuntimeOptions"]
 
-_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_\-]{0,47}$")
+MODEL_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_\-]{0,47}$")  # what a model may be called
 _PRECISIONS = ("float32", "float16", "bfloat16")
 _GATHER_MODES = ("auto", "host", "device")
 _MPS_MODES = ("auto", "on", "off")
@@ -109,7 +109,7 @@ class ModelConfig:
 
     def __post_init__(self):
         _check_type("name", self.name, str, "str")
-        if not _NAME_RE.match(self.name):
+        if not MODEL_NAME_RE.match(self.name):
             raise ValueError(f"name: expected 1-48 letters, digits, '_' or '-', got {self.name!r}")
         if (self.path is None) == (self.factory is None):
             raise ValueError(f"model {self.name!r}: expected exactly one of path= or factory=, got "

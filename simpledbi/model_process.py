@@ -61,6 +61,7 @@ _H_STATE = HEADER.fields["state"][1] // 8
 _I_STATE, _I_FREE = (INSTANCE.fields[n][1] // 8 for n in ("state", "free"))
 _RECORD = struct.Struct(f"<{len(B_FIELDS)}d")   # one batch record of the ring
 _BUSY_POLL = 0.0002
+_REJECTED_FIRST = 0.005   # seconds a slot's rows wait after a request of it failed validation
 _SEM_VALUE = posix_ipc.SEMAPHORE_VALUE_SUPPORTED
 _DRAIN_MAX = 4096   # doorbell rings taken per pass (about a millisecond): see _drain_doorbell
 # NOTE [rewritten rows] (_scan_rows): slots whose claim got nothing lately
@@ -747,6 +748,13 @@ class ModelServer:
             write_claim(self.claim_words, slot, token, e.seq, self.me, self.pid)
             peer.inflight -= 1
             self._reject(peer, e.seq, str(e))
+            # This library's clients validate before they publish: a header that fails here is
+            # a broken or hostile client's. Its rows under this token are not looked at for 5 ms,
+            # doubling with each reject in a row up to a poll interval (a bad header re-armed
+            # before each ring bought a claim, a read and a reject per ring: round 17).
+            peer.reject_gap = min(2.0 * peer.reject_gap or _REJECTED_FIRST, self.poll)
+            peer.refused_until = self._banned_w[slot] = now + peer.reject_gap
+            self._banned_tok_w[slot] = token
             return None
         c = slot * CLAIM_WORDS
         if req.seq <= peer.answered_seq or (self._claims_u[c + CL_TOKEN] == peer.token and
@@ -774,6 +782,7 @@ class ModelServer:
             return None
         write_claim(self.claim_words, slot, token, req.seq, self.me, self.pid)
         peer.last_ok = self._ok_w[slot] = now
+        peer.reject_gap = 0.0
         first = self._first_seen.pop(slot, None)
         req.t_seen = first[1] if first is not None else now
         if req.seq == peer.answered_seq + 1:  # its last request was answered by me: a sample

@@ -571,10 +571,11 @@ class Peer:
         self.answered_at = 0.0   # when this process last woke the client (time.monotonic) ...
         self.answered_seq = -1   # ... and for which request
         self.last_ok = 0.0       # when a claim through this handle last succeeded
-        # Not looked at (sweep, paced retries) before this: its claim lock was found held, or its
-        # token posted again (see try_claim and ModelServer._claim).
+        # Not looked at (sweep, paced retries) before this: its claim lock was found held, its
+        # token posted again or its request rejected (see try_claim and ModelServer._claim).
         self.refused_until = 0.0
         self._refuse_gap = 0.0
+        self.reject_gap = 0.0    # ... its last requests failed validation (ModelServer._claim)
         self._last = None        # the last request validated: its static header bytes and result
         self._heads = {}         # response header prefixes by output signature
         # The segment a client created, not what it may have put at its path since: no symlink
