@@ -15,6 +15,7 @@ import select
 import signal
 import time
 
+from .interrupts import ignore_ctrl_c
 from .layout import STOPPING, ControlBlock
 from .mps import PrivateDaemon
 from .naming import unregister
@@ -22,7 +23,7 @@ from .shm import SHM_DIR, sweep_namespace
 
 
 def janitor_main(namespace: str, conn, grace: float) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    ignore_ctrl_c()
     workers, models, daemons, registrations = set(), set(), [], []
     orphaned = False
     while True:

@@ -42,6 +42,7 @@ from .layout import (
     doorbell_name, dtype_code, words,
 )
 from .discovery import SlotFinder
+from .interrupts import ignore_ctrl_c
 from .logs import install_child_handler
 from .shm import open_semaphore
 from .slots import (
@@ -109,7 +110,7 @@ def model_process_main(spec: ModelProcessSpec, conn) -> None:
     """Child entry point. Reports ("ready", info) or ("failed", ...) on ``conn``."""
     os.environ.update(spec.env)  # first: the CUDA driver reads CUDA_MPS_* once, when it initialises
     install_child_handler(spec.log_conn, f"<{spec.config.name}|{spec.instance}>", spec.log_level)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when to stop
+    ignore_ctrl_c()  # the parent decides when to stop (NOTE [Ctrl-C and children])
     faulthandler.enable()
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>` dumps stacks
     _raise_fd_limit()

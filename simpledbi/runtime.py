@@ -41,6 +41,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 from . import mps, naming
 from .config import ModelConfig, RuntimeOptions
 from .errors import ModelError, ModelProcessDied, RuntimeStopped, WorkerError
+from .interrupts import children_deaf_to_ctrl_c
 from .janitor import janitor_main
 from .logs import LogRelay
 from .layout import (
@@ -195,7 +196,8 @@ class Runtime:
                                    args=(self.namespace, child_end, self.options.join_timeout),
                                    daemon=False)
         try:
-            janitor.start()
+            with children_deaf_to_ctrl_c():
+                janitor.start()
         except BaseException:
             parent_end.close()
             raise
@@ -231,7 +233,8 @@ class Runtime:
         proc = self.ctx.Process(target=model_process_main, args=(spec, child_end),
                                 name=f"simpledbi-{cfg.name}-{instance}", daemon=False)
         try:
-            proc.start()
+            with children_deaf_to_ctrl_c():   # NOTE [Ctrl-C and children]
+                proc.start()
         finally:
             child_end.close()
             log_w.close()
@@ -554,7 +557,8 @@ class Runtime:
             parent_end, child_end = self.ctx.Pipe(duplex=False)
             proc = self.ctx.Process(target=worker_main, name=f"simpledbi-worker-{rank}",
                                     args=(rank, target, tuple(args), kwargs, self.namespace, child_end))
-            proc.start()
+            with children_deaf_to_ctrl_c():
+                proc.start()
             child_end.close()
             self._tell_janitor("worker", proc.pid)
             self.worker_procs[rank] = proc

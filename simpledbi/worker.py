@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import faulthandler
 import os
-import signal
 import sys
 import traceback
 
 from .client import ENV_NAMESPACE, close_all_clients
+from .interrupts import ignore_ctrl_c
 
 
 def worker_main(rank: int, target, args, kwargs, namespace: str, conn) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    ignore_ctrl_c()  # Ctrl-C is the parent's to handle (NOTE [Ctrl-C and children])
     faulthandler.enable()
     os.environ[ENV_NAMESPACE] = namespace
     code = 0

@@ -123,6 +123,29 @@ def test_signal_to_the_main_process_cleans_up(sig, code, word):
 
 
 @pytest.mark.timeout(120)
+def test_ctrl_c_while_children_start_is_reported_by_the_main_process_only(tmp_path):
+    # Ctrl-C signals the whole process group. Children still importing (the main module, torch)
+    # printed a KeyboardInterrupt traceback each; now they start with SIGINT blocked.
+    proc = subprocess.Popen([sys.executable, "-m", "tests.apps.app", "ok"], cwd=ROOT, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                            env=dict(os.environ, APP_SLOW_START=str(tmp_path)))
+    try:
+        deadline = time.monotonic() + 60
+        while len(os.listdir(tmp_path)) < 2:   # the janitor and a model process are starting
+            assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
+            threading.Event().wait(0.01)   # bounded wait on a file condition
+        os.killpg(proc.pid, signal.SIGINT)   # what Ctrl-C in its terminal does
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 130 and "INTERRUPTED" in out, (out, err)
+    assert "KeyboardInterrupt" not in err and _clean(err), err
+    assert ours(proc.pid) == []
+
+
+@pytest.mark.timeout(120)
 def test_sigkill_of_the_main_process_leaves_nothing_behind():
     proc = _start("busy")
     _wait_line(proc, "READY")

@@ -5,14 +5,22 @@
 MODE: ok | worker_raises | worker_dies | busy (loops until signalled; prints READY <janitor pid>)
 | model_dies (a request segfaults its model process once: it is restarted, the run goes on)
 | model_broken (every request segfaults: after max_restarts the model is broken and Run raises)
+APP_SLOW_START=DIR: each child, while it starts, creates DIR/<pid> and sleeps 3 s.
 """
 import logging
 import os
 import sys
+import time
 
 import numpy as np
 
 from simpledbi import ModelConfig, ModelProcessDied, Run, RuntimeOptions, SharedModel, WorkerError
+
+
+if __name__ == "__mp_main__" and os.environ.get("APP_SLOW_START"):
+    # a child re-importing this module while it starts: say so, then take a while (as torch does)
+    open(os.path.join(os.environ["APP_SLOW_START"], str(os.getpid())), "w").close()
+    time.sleep(3)
 
 
 def affine():
