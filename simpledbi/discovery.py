@@ -16,7 +16,7 @@ import os
 import re
 import threading
 import time
-from typing import FrozenSet, List, Optional
+from typing import Callable, FrozenSet, List, Optional
 
 from .slots import Peer
 
@@ -29,8 +29,9 @@ class SlotFinder:
     """Lists ``directory`` for the segments of ``model``'s slots and opens them as Peers."""
 
     def __init__(self, namespace: str, directory: str, model: str, max_slots: int,
-                 interval: float = 1.0, per_look: int = 256):
+                 interval: float = 1.0, per_look: int = 256, found: Optional[Callable[[], None]] = None):
         self.namespace, self.directory, self.model = namespace, directory, model
+        self._on_found = found   # called (on this thread) after a look that opened something
         self.max_slots, self.interval, self.per_look = max_slots, interval, per_look
         self._prefix = f"{model}.s"
         self._asked = threading.Event()
@@ -110,3 +111,5 @@ class SlotFinder:
         if opened:
             with self._lock:
                 self._found.extend(opened)
+            if self._on_found is not None:
+                self._on_found()

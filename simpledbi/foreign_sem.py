@@ -33,6 +33,7 @@ import platform
 import stat
 import struct
 import sys
+import threading
 from typing import Optional
 
 import posix_ipc
@@ -58,6 +59,7 @@ _POST, _CLEAR = _op(_OP_ADD, 1), _op(_OP_SET, 0)
 
 _libc = None
 _supported: Optional[bool] = None
+_support_lock = threading.Lock()
 
 
 def _load_libc():
@@ -154,12 +156,16 @@ class ForeignSemaphore:
         """trywait, arbitrated by the claim lock on ``lock_fd`` (the slot's segment): True when
         the token was taken, False when there was none, None when another holder has the lock
         (a peer claiming it, its client withdrawing it -- or its client holding it for good)."""
-        if self._sem is not None:
+        if self._sem is not None:   # user space: still under the claim lock, like a withdrawal
+            if not lock_segment(lock_fd):
+                return None
             try:
                 self._sem.acquire(0)
                 return True
             except posix_ipc.BusyError:
                 return False
+            finally:
+                unlock_segment(lock_fd)
         if not self._addr:
             return False
         if not lock_segment(lock_fd):
@@ -180,18 +186,25 @@ class ForeignSemaphore:
 
 def supported() -> bool:
     """Does this platform's semaphore have the layout the kernel-side operations assume? Checked
-    once per process on a private semaphore, against posix_ipc."""
+    once per process on a private semaphore, against posix_ipc. Thread-safe, and never answers
+    before the check is done: a model process's slot-finder thread and its serving thread both
+    open handles, and one that got a transient False used user-space operations while the other
+    used the kernel's -- two ways of taking a token that do not exclude each other, so two
+    processes took one request (round 18's soak)."""
     global _supported
     if _supported is None:
-        _supported = False
-        if _SYS_FUTEX is not None and sys.byteorder == "little" and sys.maxsize > 2**32:
-            try:
-                _supported = _self_check()
-            except Exception:  # noqa: BLE001
-                logger.debug("kernel-side semaphore check failed", exc_info=True)
-        if not _supported:
-            logger.warning("semaphores of clients are used from user space on this platform: a "
-                           "client that truncates its own semaphore can crash a model process")
+        with _support_lock:
+            if _supported is None:
+                ok = False
+                if _SYS_FUTEX is not None and sys.byteorder == "little" and sys.maxsize > 2**32:
+                    try:
+                        ok = _self_check()
+                    except Exception:  # noqa: BLE001
+                        logger.debug("kernel-side semaphore check failed", exc_info=True)
+                if not ok:
+                    logger.warning("semaphores of clients are used from user space on this platform: "
+                                   "a client that truncates its own semaphore can crash a model process")
+                _supported = ok
     return _supported
 
 

@@ -71,6 +71,8 @@ _CHECK_MAX = 0.02       # to this while a handle's rdy shows nothing;
 _RANKED_EVERY = 0.002   # the _RETRY_BUDGET served here most recently are tried this often,
 _UNKNOWN_EVERY = 0.002  # and _RETRY_BUDGET rows naming no handle I hold this often
 _RETRY_BUDGET = 8
+_RECHECK_FOR = 2 * _CHECK_MAX   # how long after a ring that claimed nothing it is looked at again
+_FIND_EVERY = 0.05      # the namespace directory is listed at most this often (and 20 x its cost)
 
 
 @dataclass(frozen=True)
@@ -199,7 +201,14 @@ class ModelServer:
         self.aside: Dict[Tuple[int, int], Peer] = {}
         self._aside_cap = min(self.ctl.max_slots, _ASIDE_MAX)
         self._finder = SlotFinder(spec.namespace, os.path.dirname(self.table.seg.path), cfg.name,
-                                  self.ctl.max_slots, interval=max(1.0, self.poll))
+                                  self.ctl.max_slots, interval=_FIND_EVERY, found=self.door.release)
+        self._asked_at = 0.0      # when the finder was last asked (NOTE [hidden requests])
+        # A ring that ended with nothing claimed (a forged row may hide what it announced):
+        # look again at this time, once, even if no other ring comes.
+        self._recheck_at = 0.0
+        self._woken = False   # the idle wait took a ring (_collect's drain then finds none)
+        self._rechecking = False   # ... or woke for a recheck
+        self._ring_at = 0.0   # when a pass last consumed a ring
         self.deferred: List[Request] = []      # claimed by me, not batched yet (other shape / no room)
         self._open: Dict[int, Request] = {}    # id -> every request claimed and not answered yet
         self.retired: set = set()              # replaced peers that still owe answers
@@ -352,17 +361,32 @@ class ModelServer:
                 if self.retiring:
                     continue
                 inst_words[_I_FREE] = 1
-                quiet = False
+                quiet = recheck = False
+                wait = self.poll
+                if self._recheck_at:
+                    wait = min(wait, max(self._recheck_at - time.monotonic(), 0.0))
                 try:
-                    self.door.acquire(self.poll)
-                    self._rescan = True  # the ring this consumed is news for _collect
+                    self.door.acquire(wait)
+                    self._rescan = self._woken = True  # the ring this consumed is news for _collect
                     self._failed.clear()
+                    self._recheck_at = 0.0
                 except posix_ipc.BusyError:
-                    if not self._maintenance():
+                    if self._recheck_at:
+                        # NOTE [hidden requests]: the last ring claimed nothing and none came
+                        # since: look once more (a row forged after its ring hides a request
+                        # that only the paced looks and the sweep find, and no ring may follow)
+                        self._recheck_at, self._rescan, recheck = 0.0, True, True
+                        self._rechecking = True
+                        if time.monotonic() - self._last_sweep > 0.01:
+                            self._sweep()
+                    elif not self._maintenance():
                         break
-                    quiet = True
+                    else:
+                        quiet = True
                 finally:
                     inst_words[_I_FREE] = 0
+                if recheck:
+                    continue
                 if not quiet and time.monotonic() - self._last_maintenance > self.poll and \
                         not self._maintenance():
                     break   # rings that come faster than poll_interval must not put it off
@@ -452,7 +476,11 @@ class ModelServer:
         I have (the row's last token and those set aside) whose ``rdy`` is posted -- a request
         nobody claimed; only its owner posts it -- while the row does not show it is claimed
         through that handle. Slots I have no handle on are found by a SlotFinder, asked when a
-        ring found nothing. A hidden request waits about a poll interval at most."""
+        ring found nothing (it wakes me when it opened something). A ring that claimed nothing
+        is followed by looks every _CHECK_EVERY for _RECHECK_FOR (its request may be hidden
+        after the ring, and no ring may follow), each with this sweep at most every 10 ms; a
+        row naming a token that opens nothing is looked behind through the slot's handle
+        (_look_behind). A hidden request waits milliseconds; a poll interval at the most."""
         self._last_sweep = time.monotonic()
         if self.retiring:
             return
@@ -471,21 +499,35 @@ class ModelServer:
                 self._hidden[slot] = token
         self._hidden_seen = bool(self._hidden)   # under attack: look again at every empty ring
 
-    def _adopt(self, found: List[Peer]) -> None:
+    def _suspicious(self) -> None:
+        """A ring found nothing it could claim: maybe a row was rewritten over a request, maybe
+        over a new client's first one, whose handle nobody has yet. Ask the SlotFinder to list
+        the directory (at most every _FIND_EVERY; it wakes me when it found something)."""
+        self._suspect = True
+        now = time.monotonic()
+        if now - self._asked_at >= _FIND_EVERY and not self.retiring:
+            self._asked_at = now
+            self._finder.ask(frozenset([(s, p.token) for s, p in self.peers.items()] + list(self.aside)))
+
+    def _adopt(self, found: List[Peer], hidden: bool = False) -> None:
         """Take the handles a SlotFinder opened: the row's slot if I had none, else set aside.
         Only those with a request waiting, at most _ADOPT_PER_PASS: names anyone can create
-        must not fill my descriptors or my time (the finder never reopens one it gave me)."""
+        must not fill my descriptors or my time (the finder never reopens one it gave me).
+        ``hidden``: claim their requests through these handles, whatever the rows say."""
         for n, peer in enumerate(found):
             key = (peer.slot, peer.token)
             have = self.peers.get(peer.slot)
             if n >= _ADOPT_PER_PASS or (have is not None and have.token == peer.token) or \
                     key in self.aside or not peer.waiting():
                 peer.close()
-            elif have is None:
+                continue
+            if have is None:
                 self._register(peer)
                 self.peers[peer.slot] = peer
             else:
                 self._set_aside(peer)
+            if hidden:
+                self._hidden[peer.slot] = peer.token
 
     def _set_aside(self, peer: Peer) -> None:
         """Keep a live handle that its row no longer names, within a bound: at most max_slots
@@ -691,16 +733,22 @@ class ModelServer:
         next_look, gap, nopeer, peers = self._next_w, self._gap_w, self._nopeer_w, self.peers
         for s, k in cand:
             p = peers.get(s)
-            if p is not None and p.token == k:
-                # (a lock held lately waits: Peer.try_claim)
+            if p is not None:
+                # The handle I hold for the slot, whatever token its row names now (a row forged
+                # over a request hides it: its own rdy does not lie). A lock held lately waits
+                # (Peer.try_claim).
                 if p.refused_until <= now and p.waiting():
                     out.append(s)
+                    if p.token != k:
+                        self._hidden[s] = p.token   # claimed through my handle, not the row's token
                     gap[s] = _CHECK_EVERY
                 else:
                     gap[s] = min(gap[s] * 2, _CHECK_MAX)
                 next_look[s] = now + gap[s]
-                continue
-            next_look[s] = now + _CHECK_EVERY
+                if p.token == k or s in self._hidden:
+                    continue
+            else:
+                next_look[s] = now + _CHECK_EVERY
             if nopeer[s] != k:
                 unknown.append(s)
         if unknown and now - self._unknown_at >= _UNKNOWN_EVERY:
@@ -721,6 +769,10 @@ class ModelServer:
                 peer = self.aside.get((slot, token))
         else:
             peer = self._peer(slot, token)
+            if peer is None:
+                peer = self._look_behind(slot, now)
+                if peer is not None:
+                    token = hidden = peer.token
         got = peer.try_claim(self.poll) if peer is not None else False
         if not got:
             self._missed_w[slot], self._missed_q[slot] = now, seq_hint
@@ -792,6 +844,22 @@ class ModelServer:
             req.mapped = peer.mapping
         self._open[id(req)] = req
         return req
+
+    def _look_behind(self, slot: int, now: float) -> Optional[Peer]:
+        """The slot's row names a token that opens nothing -- forged, maybe written over a request
+        of the client whose handle I hold: if that handle's own rdy shows one, claim through it
+        (a look paced per slot like _retry's, so rows forged before every ring buy one look per
+        slot per _CHECK_EVERY at most)."""
+        mine = self.peers.get(slot)
+        if mine is None or mine.refused_until > now or self._next_w[slot] > now:
+            return None
+        if mine.waiting():
+            self._gap_w[slot] = _CHECK_EVERY
+            self._next_w[slot] = now + _CHECK_EVERY
+            return mine
+        self._gap_w[slot] = min(self._gap_w[slot] * 2, _CHECK_MAX)
+        self._next_w[slot] = now + self._gap_w[slot]
+        return None
 
     def _reject(self, peer: Peer, seq: int, text: str) -> None:
         self.counters["bad_requests"] += 1
@@ -885,13 +953,17 @@ class ModelServer:
         if self.retiring and not self.deferred:
             return []  # the doorbell's rings are for the processes that replaced me
         rang = 0 if self.retiring else self._drain_doorbell()
+        woken, self._woken = self._woken, False   # a ring the idle wait took
+        rechecking, self._rechecking = self._rechecking, False
+        if not self.retiring:
+            self._adopt(self._finder.take(), hidden=True)   # slots the directory showed
         if not rang and not self._rescan and not self.deferred:
             return []  # every publish rings the doorbell after its row is written: nothing new
         pending, may = self._scan()
         if not pending and not self.deferred:
             # Woken by a ring and nothing to claim: a peer took it, it was withdrawn -- or its row
             # was rewritten by someone else (NOTE [hidden requests]). Look through my handles now.
-            self._suspect = True
+            self._suspicious()
             if self._hidden_seen or time.monotonic() - self._last_sweep > 0.01:
                 self._sweep()
                 if self._hidden:
@@ -904,12 +976,22 @@ class ModelServer:
             # Every claim failed: maybe rows were rewritten over requests that wait (a new
             # token in each row before each ring hides them from the scan) -- look through my
             # handles as for an empty ring, at most every 10 ms.
-            self._suspect = True
+            self._suspicious()
             self._sweep()
             if self._hidden:
                 pending, may = self._scan()
                 self._fill(batch, c, pending)
         self._rescan = bool(pending) and not batch   # only failed claims: scan again next time
+        self._recheck_at = 0.0
+        if not batch and (rang or woken or rechecking):
+            # NOTE [hidden requests]: a ring that claimed nothing -- its request may be hidden
+            # by a row forged after the ring, found only by a paced look or a sweep, and no
+            # other ring may come: look again every _CHECK_EVERY for _RECHECK_FOR after it.
+            now = time.monotonic()
+            if rang or woken:
+                self._ring_at = now
+            if now - self._ring_at < _RECHECK_FOR:
+                self._recheck_at = now + _CHECK_EVERY
         if not batch:
             return []
         policy, costs, arrivals = self.policy, self.costs, self.arrivals

@@ -2,6 +2,7 @@
 that a truncated semaphore file is an error, not a SIGBUS, in the process using it."""
 import os
 import secrets
+import threading
 
 import posix_ipc
 import pytest
@@ -85,3 +86,33 @@ def test_it_holds_no_descriptor(owned):
     finally:
         for f in sems:
             f.close()
+
+
+def test_supported_is_never_answered_before_its_check_is_done(monkeypatch):
+    # Round 18's soak: a model process's slot-finder thread and its serving thread both open
+    # handles; one asked while the other ran the check, got a transient False and used
+    # user-space operations while every other process used the kernel's -- two ways of taking a
+    # token that do not exclude each other, so two processes took one request.
+    if not foreign_sem.supported():
+        pytest.skip("kernel-side semaphores are not supported on this platform")
+    monkeypatch.setattr(foreign_sem, "_supported", None)
+    entered, release = threading.Event(), threading.Event()
+    real = foreign_sem._self_check
+
+    def slow_check():
+        entered.set()
+        release.wait(10)
+        return real()
+
+    monkeypatch.setattr(foreign_sem, "_self_check", slow_check)
+    answers = []
+    first = threading.Thread(target=lambda: answers.append(foreign_sem.supported()))
+    first.start()
+    assert entered.wait(10)
+    second = threading.Thread(target=lambda: answers.append(foreign_sem.supported()))
+    second.start()
+    second.join(0.5)   # bounded: it must still be waiting for the check (it answered False before)
+    release.set()
+    first.join(10)
+    second.join(10)
+    assert answers == [True, True]

@@ -1448,3 +1448,55 @@ def test_a_claim_lock_found_held_once_does_not_hide_the_slot_for_a_poll_interval
         assert took < poll / 10, f"the hidden request waited {took:.3f} s (poll interval {poll} s)"
         np.testing.assert_array_equal(m.forward(x), x * 2 + 1)
     _honest(rt, "affine")
+
+
+# ---------------------------------------------------------------- eighteenth round (2026-11-27)
+_FORGE_TOKENS_QUIETLY = r"""
+import sys, threading, time
+import numpy as np
+from simpledbi import SharedModel
+m = SharedModel("affine", max_shape=(1, 2), namespace=sys.argv[1])
+m.forward(np.ones((1, 2), np.float32))
+table, rng = m._h.table, np.random.default_rng(18)
+stop = threading.Event()
+threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
+print("RUNNING", flush=True)
+while not stop.is_set():   # a fresh token in every row, every 0.5 ms; never a ring, never a post
+    table.token[:] = rng.integers(1, 2**62, table.token.shape[0]).astype(np.uint64)
+    time.sleep(0.0005)
+m.close()
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("new_clients", [False, True], ids=["established", "new"])
+def test_rows_forged_without_rings_do_not_leave_a_request_for_a_poll_interval(start_runtime, new_clients):
+    # Round 18: a client that wrote a fresh token into every row every 0.5 ms -- no ring, no post
+    # -- hid an honest request whose ring a model process had already taken: the pass claimed
+    # nothing, the sweep was rate-limited and nothing woke the process again before its poll
+    # interval (honest calls of 0.5-1.5 s, -99% throughput). A new client's first request,
+    # whose handle no process had yet, waited for the directory listing, at most once a second.
+    # Now a ring that claims nothing is looked at again every 5 ms for 40 ms (paced looks
+    # through the handles held, the sweep), a forged row is looked behind at once through the
+    # slot's handle, and the directory is listed when asked, at most every 50 ms.
+    from simpledbi.config import RuntimeOptions
+    poll = 2.0
+    rt = start_runtime(cpu_model("affine", models.affine, max_batch_size=4),
+                       options=RuntimeOptions(poll_interval=poll, join_timeout=10.0))
+    x = np.ones((1, 2), np.float32)
+    worst = 0.0
+    with _hostile_process(_FORGE_TOKENS_QUIETLY, rt.namespace):
+        m = SharedModel("affine", max_shape=(1, 2), namespace=rt.namespace, poll_interval=poll)
+        try:
+            for i in range(300):
+                if new_clients and i % 20 == 0:
+                    m.close()
+                    m = SharedModel("affine", max_shape=(1, 2), namespace=rt.namespace,
+                                    poll_interval=poll)
+                t0 = time.monotonic()
+                np.testing.assert_array_equal(m.forward(x * i, timeout=3 * poll), x * i * 2 + 1)
+                worst = max(worst, time.monotonic() - t0)
+        finally:
+            m.close()
+    assert worst < poll / 4, f"a call waited {worst:.3f} s (poll interval {poll} s)"
+    _honest(rt, "affine")
