@@ -203,6 +203,7 @@ class ModelServer:
         self._finder = SlotFinder(spec.namespace, os.path.dirname(self.table.seg.path), cfg.name,
                                   self.ctl.max_slots, interval=_FIND_EVERY, found=self.door.release)
         self._asked_at = 0.0      # when the finder was last asked (NOTE [hidden requests])
+        self._ask_due = False     # ... and whether a listing is owed
         # A ring that ended with nothing claimed (a forged row may hide what it announced):
         # look again at this time, once, even if no other ring comes.
         self._recheck_at = 0.0
@@ -361,7 +362,7 @@ class ModelServer:
                 if self.retiring:
                     continue
                 inst_words[_I_FREE] = 1
-                quiet = recheck = False
+                quiet = False
                 wait = self.poll
                 if self._recheck_at:
                     wait = min(wait, max(self._recheck_at - time.monotonic(), 0.0))
@@ -375,8 +376,7 @@ class ModelServer:
                         # NOTE [hidden requests]: the last ring claimed nothing and none came
                         # since: look once more (a row forged after its ring hides a request
                         # that only the paced looks and the sweep find, and no ring may follow)
-                        self._recheck_at, self._rescan, recheck = 0.0, True, True
-                        self._rechecking = True
+                        self._recheck_at, self._rescan, self._rechecking = 0.0, True, True
                         if time.monotonic() - self._last_sweep > 0.01:
                             self._sweep()
                     elif not self._maintenance():
@@ -385,8 +385,6 @@ class ModelServer:
                         quiet = True
                 finally:
                     inst_words[_I_FREE] = 0
-                if recheck:
-                    continue
                 if not quiet and time.monotonic() - self._last_maintenance > self.poll and \
                         not self._maintenance():
                     break   # rings that come faster than poll_interval must not put it off
@@ -502,11 +500,16 @@ class ModelServer:
     def _suspicious(self) -> None:
         """A ring found nothing it could claim: maybe a row was rewritten over a request, maybe
         over a new client's first one, whose handle nobody has yet. Ask the SlotFinder to list
-        the directory (at most every _FIND_EVERY; it wakes me when it found something)."""
-        self._suspect = True
+        the directory (it wakes me when it found something)."""
+        self._suspect = self._ask_due = True
+        self._ask_finder()
+
+    def _ask_finder(self) -> None:
+        """A listing owed is asked for at most every _FIND_EVERY (building what I know costs a
+        pass over my handles); one not asked yet keeps the looks-again going until it is."""
         now = time.monotonic()
-        if now - self._asked_at >= _FIND_EVERY and not self.retiring:
-            self._asked_at = now
+        if self._ask_due and not self.retiring and now - self._asked_at >= _FIND_EVERY:
+            self._asked_at, self._ask_due = now, False
             self._finder.ask(frozenset([(s, p.token) for s, p in self.peers.items()] + list(self.aside)))
 
     def _adopt(self, found: List[Peer], hidden: bool = False) -> None:
@@ -957,13 +960,15 @@ class ModelServer:
         rechecking, self._rechecking = self._rechecking, False
         if not self.retiring:
             self._adopt(self._finder.take(), hidden=True)   # slots the directory showed
+            self._ask_finder()
         if not rang and not self._rescan and not self.deferred:
             return []  # every publish rings the doorbell after its row is written: nothing new
         pending, may = self._scan()
         if not pending and not self.deferred:
             # Woken by a ring and nothing to claim: a peer took it, it was withdrawn -- or its row
             # was rewritten by someone else (NOTE [hidden requests]). Look through my handles now.
-            self._suspicious()
+            if rang or woken:   # (a look again is no ring: it must not owe another listing)
+                self._suspicious()
             if self._hidden_seen or time.monotonic() - self._last_sweep > 0.01:
                 self._sweep()
                 if self._hidden:
@@ -976,7 +981,8 @@ class ModelServer:
             # Every claim failed: maybe rows were rewritten over requests that wait (a new
             # token in each row before each ring hides them from the scan) -- look through my
             # handles as for an empty ring, at most every 10 ms.
-            self._suspicious()
+            if rang or woken:
+                self._suspicious()
             self._sweep()
             if self._hidden:
                 pending, may = self._scan()
@@ -985,12 +991,15 @@ class ModelServer:
         self._recheck_at = 0.0
         if not batch and (rang or woken or rechecking):
             # NOTE [hidden requests]: a ring that claimed nothing -- its request may be hidden
-            # by a row forged after the ring, found only by a paced look or a sweep, and no
-            # other ring may come: look again every _CHECK_EVERY for _RECHECK_FOR after it.
+            # by a row forged after the ring, found only by a paced look, a sweep or a listing
+            # of the directory, and no other ring may come: look again every _CHECK_EVERY for
+            # _RECHECK_FOR after it, and until the listing it owes was asked for.
             now = time.monotonic()
             if rang or woken:
                 self._ring_at = now
-            if now - self._ring_at < _RECHECK_FOR:
+                if pending:   # rows it could not claim (an empty ring asked already)
+                    self._suspicious()
+            if now - self._ring_at < _RECHECK_FOR or self._ask_due:
                 self._recheck_at = now + _CHECK_EVERY
         if not batch:
             return []
