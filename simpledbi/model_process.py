@@ -47,7 +47,7 @@ from .logs import install_child_handler
 from .shm import open_semaphore
 from .slots import (
     CLAIM_WORDS, CL_DONE, CL_SEQ, CL_TOKEN, SLOT_WORDS, T_KEY, T_PUBLISH, T_ROWS, T_SEQ, T_TOKEN,
-    BadRequest, Limits, Peer, Request, claim_words, mark_answered, table_words, write_claim,
+    BadRequest, Limits, Peer, Request, backoff, claim_words, mark_answered, table_words, write_claim,
 )
 
 logger = logging.getLogger(__name__)
@@ -808,7 +808,7 @@ class ModelServer:
             # a broken or hostile client's. Its rows under this token are not looked at for 5 ms,
             # doubling with each reject in a row up to a poll interval (a bad header re-armed
             # before each ring bought a claim, a read and a reject per ring: round 17).
-            peer.reject_gap = min(2.0 * peer.reject_gap or _REJECTED_FIRST, self.poll)
+            peer.reject_gap = backoff(peer.reject_gap, _REJECTED_FIRST, self.poll)
             peer.refused_until = self._banned_w[slot] = now + peer.reject_gap
             self._banned_tok_w[slot] = token
             return None

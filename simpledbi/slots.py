@@ -88,6 +88,11 @@ _RECHECK_BYTES = 1 << 18   # requests this large have their segment's memory che
 _REFUSED_FIRST = 0.005     # seconds a handle waits after its claim lock was found held (Peer.try_claim)
 
 
+def backoff(gap: float, first: float, most: float) -> float:
+    """The next wait of a doubling backoff: ``first``, then twice the last ``gap``, up to ``most``."""
+    return min(2.0 * gap or first, most)
+
+
 # ================================================================ client side
 class ClientSlot:
     """The client's half of one slot. Used by one call at a time (SharedModel lends it)."""
@@ -608,7 +613,7 @@ class Peer:
         forger hid their rows (round 16, docs/RELIABILITY.md)."""
         got = self.ready.take(self.fd)
         if got is None:
-            self._refuse_gap = min(2.0 * self._refuse_gap or _REFUSED_FIRST, most)
+            self._refuse_gap = backoff(self._refuse_gap, _REFUSED_FIRST, most)
             self.refused_until = time.monotonic() + self._refuse_gap
         else:
             self._refuse_gap = 0.0
