@@ -1,21 +1,69 @@
 """Named runtimes: how a process simpledbi did not start finds a running runtime by name.
 
 A runtime started with ``name="myapp"`` (``simpledbi serve --name myapp``, ``Runtime(models,
-name="myapp")``) writes one small *registration* file, ``/dev/shm/sdbi_rt_myapp`` (mode 0600),
-that says which namespace (shm.py) it serves in::
+name="myapp")``) writes one small *registration* file, ``sdbi_rt_myapp`` (mode 0600), into its
+user's private *registry directory*; it says which namespace (shm.py) the runtime serves in::
 
     {"namespace": "sdbi_4242_9f...", "pid": 4242, "models": ["resnet50"], "started": 1.7e9}
 
 The namespace itself keeps its unguessable random part; the registration is the only stable name.
-Clients trust a registration only when its owner is their own user (/dev/shm is world-writable:
-another user could squat the name, but never redirect our clients into a namespace of theirs).
-A registration whose pid is gone is stale: the next runtime of that name replaces it, and
+
+NOTE [registry directory]
+-------------------------
+Where a runtime registers (``registry_dir``, the same checks in every process)::
+
+    $SIMPLEDBI_DIR set? ──yes──> that directory (made 0700 if missing), else ValueError saying why
+        │ no
+        v
+    /dev/shm/sdbi_u<uid>  ──ours──> use it (mkdir 0700 if missing)
+        │ another user made it first; a symlink, a file, a FIFO; group/other bits
+        v
+    ~/.cache/simpledbi/run-<hostname>  (each level made 0700 if missing), else PermissionError
+
+Lookups (``read``, ``resolve``, ``list_registrations``, the sweep) search *both* directories of
+that chain, /dev/shm first, skipping one that fails the checks, and create nothing
+(``lookup_dirs``); with ``$SIMPLEDBI_DIR`` set they search it alone.
+
+Why so. /dev/shm is world-writable, so any fixed name there -- the old ``/dev/shm/sdbi_rt_<name>``
+as much as ``sdbi_u<uid>`` -- can be created first by another user, who thereby kept a runtime
+from starting. A directory only we can write settles everything inside it: another user can
+neither list it, open a file in it, nor create, replace or block a registration there. What is
+left to defend is the directory's own name. In /dev/shm we claim it with ``mkdir``; the sticky
+bit keeps anyone else from renaming or removing it once it is ours. If someone took the name
+first we do not fight over it: nobody else can create anything in our home, so the fallback
+there cannot be taken. The directory is never removed (an empty one costs nothing; a removed one
+could be taken). The old place, ``/dev/shm/sdbi_rt_<name>``, is neither written nor read: a
+runtime and its clients must both be of a version that uses the registry directory.
+
+Lookups search both places instead of re-deriving the runtime's choice: the choice depends on
+what the runtime found when it started. Had clients followed the same rule, another user who
+deletes their squatting directory after a runtime fell back to the home directory would steer
+every later client to /dev/shm, away from a runtime that is running. A registration counts
+wherever it is, as long as its directory passes the checks.
+
+``$XDG_RUNTIME_DIR`` (the usual place for such files) is deliberately not used: processes of one
+user disagree about it -- set in a login session, unset under sudo, cron, ``docker exec`` or a
+system service with ``User=`` -- so a runtime started one way and a client started another would
+look in different places, and ``/run/user/<uid>`` is removed at the user's last logout while a
+nohup'ed runtime keeps running. ``/dev/shm/sdbi_u<uid>`` depends on the uid alone; the fallback
+on the home directory and the host name (a home shared over NFS serves several hosts, and a pid
+means something only on its own host).
+
+A directory counts (``_why_not_private``) when ``lstat`` says it is a directory -- not a symlink,
+which is never followed; not a FIFO, which is never opened -- of our uid with no group or other
+permission bits, whose parent is ours or root's and, if others can write it, sticky (else another
+user could rename ours away and block the name). What we create is ``fchmod``-ed to 0700 after
+``mkdir``: a default ACL must not open it to others, nor a umask of 07xx close it to us.
+
+Clients trust a registration only when it is a regular file of their own user. A registration
+whose pid is gone is stale: the next runtime of that name replaces it, and
 ``sweep_dead_registrations`` removes it. Only the runtime that wrote it removes it (or its janitor).
 """
 from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
 import re
 import stat
@@ -25,10 +73,18 @@ from typing import List, Optional, Sequence
 
 from .shm import SHM_DIR, pid_alive
 
+logger = logging.getLogger(__name__)
+
 REG_PREFIX = "sdbi_rt_"
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_\-]{0,47}$")
 #: Clients without ``namespace=``/``runtime=`` attach to the runtime named here.
 ENV_RUNTIME = "SIMPLEDBI_RUNTIME"
+#: The registry directory, instead of the chain of NOTE [registry directory].
+ENV_DIR = "SIMPLEDBI_DIR"
+
+_MISSING = "does not exist"
+_warned: set = set()
+_OPEN_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
 
 
 @dataclass(frozen=True)
@@ -46,14 +102,181 @@ def check_name(name: str) -> str:
     return name
 
 
-def registration_path(name: str, shm_dir: str = SHM_DIR) -> str:
-    return os.path.join(shm_dir, REG_PREFIX + check_name(name))
+# ------------------------------------------------------------ the registry directory
+
+def registry_dir() -> str:
+    """The directory this user's runtimes register in, made if missing (NOTE [registry
+    directory]). ValueError for a bad ``$SIMPLEDBI_DIR``; PermissionError when no place works."""
+    env = _env_dir()
+    if env is not None:
+        why = _claim(env)
+        if why is not None:
+            raise _env_error(env, why)
+        return env
+    shm_dir = _shm_registry()
+    why = _claim(shm_dir)
+    if why is None:
+        return shm_dir
+    home = _home_registry()
+    why_home = _claim_home(home) if home is not None else "cannot be found (no home directory)"
+    if why_home is not None:
+        raise PermissionError(errno.EACCES, f"no private directory for simpledbi runtime names: "
+                              f"{shm_dir} {why}, and {home or '~/.cache/simpledbi'} {why_home}; "
+                              f"set ${ENV_DIR} to a directory only you can access")
+    if (shm_dir, why) not in _warned:   # once: a runtime start asks twice
+        _warned.add((shm_dir, why))
+        logger.warning("%s %s: registering runtime names in %s instead", shm_dir, why, home)
+    return home
 
 
-def read(name: str, shm_dir: str = SHM_DIR) -> Optional[Registration]:
-    """The registration of ``name`` if it is ours and complete, else None (live or not)."""
-    path = registration_path(name, shm_dir)
-    try:   # /dev/shm is everyone's: never block opening another user's FIFO
+def lookup_dirs() -> List[str]:
+    """The directories a registration of this user may be in, in search order; creates nothing.
+    ValueError for a bad ``$SIMPLEDBI_DIR``."""
+    env = _env_dir()
+    if env is not None:
+        why = _why_not_private(env)
+        if why == _MISSING:
+            return []
+        if why is not None:
+            raise _env_error(env, why)
+        return [env]
+    out = [_shm_registry()]
+    home = _home_registry()
+    if home is not None:
+        out.append(home)
+    return [d for d in out if _why_not_private(d) is None]
+
+
+def _shm_registry() -> str:
+    return os.path.join(SHM_DIR, f"sdbi_u{os.getuid()}")
+
+
+def _home_registry() -> Optional[str]:
+    home = os.path.expanduser("~")   # $HOME, else the password database
+    if not os.path.isabs(home):
+        return None
+    host = re.sub(r"[^A-Za-z0-9._-]", "_", os.uname().nodename) or "localhost"
+    return os.path.join(os.path.normpath(home), ".cache", "simpledbi", "run-" + host)
+
+
+def _env_dir() -> Optional[str]:
+    path = os.environ.get(ENV_DIR)
+    if not path:
+        return None
+    if not os.path.isabs(path):  # relative to each process's own working directory: no
+        raise ValueError(f"${ENV_DIR}: expected an absolute path, got {path!r}")
+    return os.path.normpath(path)
+
+
+def _env_error(path: str, why: str) -> ValueError:
+    return ValueError(f"${ENV_DIR}: expected a directory of this user (uid {os.getuid()}), not a "
+                      f"symlink, with no group or other permissions (chmod 700), got {path} that "
+                      f"{why}")
+
+
+def _why_not_private(path: str) -> Optional[str]:
+    """None when ``path`` is a directory nobody but us can use or replace, else what is wrong
+    (``_MISSING`` when there is nothing). Never follows ``path`` itself, never opens it."""
+    uid = os.getuid()
+    parent = os.path.dirname(path)
+    try:
+        pst = os.stat(parent)   # the directory the entry is in, wherever a symlink puts it
+    except OSError as e:
+        return f"is in {parent}, which cannot be examined ({e.strerror})"
+    if pst.st_uid not in (0, uid):
+        return f"is in {parent}, which belongs to uid {pst.st_uid} (who could replace it)"
+    if pst.st_mode & 0o022 and not pst.st_mode & stat.S_ISVTX:
+        return f"is in {parent}, which others can write and is not sticky (they could replace it)"
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return _MISSING
+    except OSError as e:
+        return f"cannot be examined ({e.strerror})"
+    if stat.S_ISLNK(st.st_mode):
+        return "is a symlink"
+    if not stat.S_ISDIR(st.st_mode):
+        return "is not a directory"
+    if st.st_uid != uid:
+        return f"belongs to uid {st.st_uid} (not to uid {uid})"
+    if st.st_mode & 0o077:
+        return f"has mode {stat.S_IMODE(st.st_mode):o} (others have access; expected 700)"
+    return None
+
+
+def _claim(path: str) -> Optional[str]:
+    """Make ``path`` our private directory if nothing is there; then ``_why_not_private``."""
+    why = _why_not_private(path)
+    if why != _MISSING:
+        return why
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass   # someone was quicker: judged below like anything else that is there
+    except OSError as e:
+        return f"could not be created ({e.strerror})"
+    else:
+        _make_private(path)
+    why = _why_not_private(path)
+    return "was removed while being created" if why == _MISSING else why
+
+
+def _make_private(path: str) -> None:
+    """chmod 700 a directory we just made (umask, default ACL), through a descriptor of it."""
+    try:
+        fd = os.open(path, _OPEN_DIR)
+    except OSError:
+        return   # not a directory (any more): _why_not_private says so
+    try:
+        if os.fstat(fd).st_uid == os.getuid():   # root may chmod anyone's: only ours
+            os.fchmod(fd, 0o700)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _claim_home(path: str) -> Optional[str]:
+    """``_claim`` for ``~/.cache/simpledbi/run-<host>`` and the levels above it, up to the home."""
+    top = os.path.dirname(path)
+    cache = os.path.dirname(top)
+    try:
+        os.mkdir(cache, 0o700)
+    except FileExistsError:
+        pass
+    except OSError as e:
+        return f"could not be created ({cache}: {e.strerror})"
+    else:
+        _make_private(cache)   # a umask of 077x would leave it unusable
+    why = _claim(top)
+    if why is not None:
+        return f"is in {top}, which {why}"
+    return _claim(path)
+
+
+# ------------------------------------------------------------ registrations
+
+def registration_path(name: str, directory: Optional[str] = None) -> str:
+    """Where this process would register ``name``: in ``directory``, else in ``registry_dir()``
+    (made if missing)."""
+    check_name(name)
+    return os.path.join(directory or registry_dir(), REG_PREFIX + name)
+
+
+def read(name: str, directory: Optional[str] = None) -> Optional[Registration]:
+    """The registration of ``name`` (in ``directory``, else the first in ``lookup_dirs()``) if it
+    is ours and complete, else None (live or not)."""
+    check_name(name)
+    for d in [directory] if directory else lookup_dirs():
+        reg = _read(name, d)
+        if reg is not None:
+            return reg
+    return None
+
+
+def _read(name: str, directory: str) -> Optional[Registration]:
+    path = os.path.join(directory, REG_PREFIX + name)
+    try:   # never block opening a FIFO that a buggy process left
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:
         return None
@@ -75,21 +298,35 @@ def read(name: str, shm_dir: str = SHM_DIR) -> Optional[Registration]:
     return reg
 
 
-def resolve(name: str, shm_dir: str = SHM_DIR) -> Optional[Registration]:
-    """The live runtime called ``name``, or None."""
-    reg = read(name, shm_dir)
-    return reg if reg is not None and _live(reg, shm_dir) else None
+def resolve(name: str, directory: Optional[str] = None) -> Optional[Registration]:
+    """The live runtime called ``name`` (in ``directory``, else in any of ``lookup_dirs()``),
+    or None."""
+    check_name(name)
+    for d in [directory] if directory else lookup_dirs():
+        reg = _read(name, d)
+        if reg is not None and _live(reg):
+            return reg
+    return None
 
 
-def _live(reg: Registration, shm_dir: str) -> bool:
+def _live(reg: Registration) -> bool:
     """A registration of a runtime that is running: its process is alive and its namespace
     directory exists (a rewritten file naming any live pid does not hold the name)."""
-    return pid_alive(reg.pid) and os.path.isdir(os.path.join(shm_dir, reg.namespace))
+    return pid_alive(reg.pid) and os.path.isdir(os.path.join(SHM_DIR, reg.namespace))
 
 
-def register(name: str, namespace: str, models: Sequence[str], shm_dir: str = SHM_DIR) -> str:
-    """Claim ``name`` for this process's runtime; raises if a live runtime already holds it."""
-    path = registration_path(name, shm_dir)
+def register(name: str, namespace: str, models: Sequence[str],
+             directory: Optional[str] = None) -> str:
+    """Claim ``name`` for this process's runtime (in ``directory``, else in ``registry_dir()``);
+    raises if a live runtime already holds it. Returns the registration's path."""
+    path = registration_path(name, directory)
+    here = os.path.dirname(path)
+    for other in lookup_dirs() if directory is None else []:
+        old = _read(name, other) if other != here else None   # here: the loop below
+        if old is not None and _live(old):
+            raise RuntimeError(f"a simpledbi runtime named {name!r} is already running "
+                               f"(pid {old.pid}); stop it or choose another name")
+    directory = here
     body = json.dumps({"namespace": namespace, "pid": os.getpid(), "models": list(models),
                        "started": time.time()}).encode()
     for _ in range(8):
@@ -104,8 +341,8 @@ def register(name: str, namespace: str, models: Sequence[str], shm_dir: str = SH
             if owner != os.getuid():
                 raise PermissionError(errno.EACCES, f"the runtime name {name!r} is taken by "
                                       f"another user (uid {owner}, {path})")
-            old = read(name, shm_dir)
-            if old is not None and _live(old, shm_dir):
+            old = _read(name, directory)
+            if old is not None and _live(old):
                 raise RuntimeError(f"a simpledbi runtime named {name!r} is already running "
                                    f"(pid {old.pid}); stop it or choose another name")
             if old is None and _young(path):
@@ -114,6 +351,7 @@ def register(name: str, namespace: str, models: Sequence[str], shm_dir: str = SH
             _unlink(path)  # stale: its runtime died without removing it
             continue
         try:
+            os.fchmod(fd, 0o600)   # whatever the umask: clients of our user must read it
             os.write(fd, body)
         finally:
             os.close(fd)
@@ -124,37 +362,54 @@ def register(name: str, namespace: str, models: Sequence[str], shm_dir: str = SH
 def unregister(path: str, namespace: str) -> None:
     """Remove a registration -- only if it still names ``namespace`` (never a successor's)."""
     name = os.path.basename(path)[len(REG_PREFIX):]
-    reg = read(name, os.path.dirname(path))
+    reg = _read(name, os.path.dirname(path)) if NAME_RE.match(name) else None
     if reg is not None and reg.namespace == namespace:
         _unlink(path)
 
 
-def list_registrations(shm_dir: str = SHM_DIR) -> List[Registration]:
-    out = []
+def list_registrations(directory: Optional[str] = None) -> List[Registration]:
+    """Every complete registration of ours (in ``directory``, else in ``lookup_dirs()``), one per
+    name -- a live one where a name is in two directories -- in name order."""
+    by_name = {}
+    for _, reg in _all(directory):
+        if reg.name not in by_name or (not pid_alive(by_name[reg.name].pid) and pid_alive(reg.pid)):
+            by_name[reg.name] = reg
+    return [by_name[n] for n in sorted(by_name)]
+
+
+def sweep_dead_registrations(directory: Optional[str] = None) -> int:
+    """Remove the registrations whose runtime process is gone; returns how many went."""
     try:
-        entries = sorted(os.listdir(shm_dir))
-    except OSError:
-        return out
-    for e in entries:
-        if e.startswith(REG_PREFIX) and NAME_RE.match(e[len(REG_PREFIX):]):
-            reg = read(e[len(REG_PREFIX):], shm_dir)
-            if reg is not None:
-                out.append(reg)
-    return out
-
-
-def sweep_dead_registrations(shm_dir: str = SHM_DIR) -> int:
+        found = _all(directory)
+    except ValueError:   # a bad $SIMPLEDBI_DIR: raised where a name is registered or looked up
+        logger.warning("not sweeping runtime names", exc_info=True)
+        return 0
     removed = 0
-    for reg in list_registrations(shm_dir):
+    for d, reg in found:
         if not pid_alive(reg.pid):
-            unregister(registration_path(reg.name, shm_dir), reg.namespace)
+            unregister(os.path.join(d, REG_PREFIX + reg.name), reg.namespace)
             removed += 1
     return removed
 
 
+def _all(directory: Optional[str]) -> List[tuple]:
+    out = []
+    for d in [directory] if directory else lookup_dirs():
+        try:
+            entries = sorted(os.listdir(d))
+        except OSError:
+            continue
+        for e in entries:
+            if e.startswith(REG_PREFIX) and NAME_RE.match(e[len(REG_PREFIX):]):
+                reg = _read(e[len(REG_PREFIX):], d)
+                if reg is not None:
+                    out.append((d, reg))
+    return out
+
+
 def _young(path: str) -> bool:
     try:
-        return time.time() - os.stat(path).st_mtime < 2.0
+        return time.time() - os.stat(path, follow_symlinks=False).st_mtime < 2.0
     except OSError:
         return False
 
