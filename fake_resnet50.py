@@ -4,8 +4,9 @@
     python fake_resnet50.py --out DIR --format torchscript
 
 The architecture is the standard bottleneck ResNet-50 (3-4-6-3 blocks, 25.6 M parameters); the
-batch dimension of both files is dynamic. ``build_resnet50()`` and ``build_tiny()`` are also used
-by benchmark.py and the tests as in-process factories.
+batch dimension of both files is dynamic. ``build_resnet50()``, ``build_resnet18()`` (basic
+blocks, 2-2-2-2, 11.7 M parameters) and ``build_tiny()`` are also used by benchmark.py (through
+fake_models.py, which writes any of them) and the tests as in-process factories.
 """
 from __future__ import annotations
 
@@ -45,28 +46,51 @@ class Bottleneck(nn.Module):
         return self.relu(out + identity)
 
 
+class BasicBlock(nn.Module):
+    """Two 3x3 convolutions and the identity (ResNet-18 and -34)."""
+    expansion = 1
+
+    def __init__(self, inplanes: int, planes: int, stride: int = 1):
+        super().__init__()
+        self.conv1 = nn.Conv2d(inplanes, planes, 3, stride=stride, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(planes)
+        self.conv2 = nn.Conv2d(planes, planes, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(planes)
+        self.relu = nn.ReLU(inplace=True)
+        self.downsample = None
+        if stride != 1 or inplanes != planes:
+            self.downsample = nn.Sequential(nn.Conv2d(inplanes, planes, 1, stride=stride, bias=False),
+                                            nn.BatchNorm2d(planes))
+
+    def forward(self, x):
+        identity = x if self.downsample is None else self.downsample(x)
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        return self.relu(out + identity)
+
+
 class ResNet(nn.Module):
-    def __init__(self, layers=(3, 4, 6, 3), num_classes: int = 1000, base: int = 64):
+    def __init__(self, layers=(3, 4, 6, 3), num_classes: int = 1000, base: int = 64, block=Bottleneck):
         super().__init__()
         self.inplanes = base
         self.conv1 = nn.Conv2d(3, base, 7, stride=2, padding=3, bias=False)
         self.bn1 = nn.BatchNorm2d(base)
         self.relu = nn.ReLU(inplace=True)
         self.maxpool = nn.MaxPool2d(3, stride=2, padding=1)
-        self.layer1 = self._make(base, layers[0], 1)
-        self.layer2 = self._make(base * 2, layers[1], 2)
-        self.layer3 = self._make(base * 4, layers[2], 2)
-        self.layer4 = self._make(base * 8, layers[3], 2)
+        self.layer1 = self._make(block, base, layers[0], 1)
+        self.layer2 = self._make(block, base * 2, layers[1], 2)
+        self.layer3 = self._make(block, base * 4, layers[2], 2)
+        self.layer4 = self._make(block, base * 8, layers[3], 2)
         self.avgpool = nn.AdaptiveAvgPool2d(1)
-        self.fc = nn.Linear(base * 8 * Bottleneck.expansion, num_classes)
+        self.fc = nn.Linear(base * 8 * block.expansion, num_classes)
         for m in self.modules():
             if isinstance(m, nn.Conv2d):
                 nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
 
-    def _make(self, planes: int, blocks: int, stride: int) -> nn.Sequential:
-        layers = [Bottleneck(self.inplanes, planes, stride)]
-        self.inplanes = planes * Bottleneck.expansion
-        layers += [Bottleneck(self.inplanes, planes) for _ in range(1, blocks)]
+    def _make(self, block, planes: int, blocks: int, stride: int) -> nn.Sequential:
+        layers = [block(self.inplanes, planes, stride)]
+        self.inplanes = planes * block.expansion
+        layers += [block(self.inplanes, planes) for _ in range(1, blocks)]
         return nn.Sequential(*layers)
 
     def forward(self, x):
@@ -79,6 +103,12 @@ def build_resnet50(seed: int = 0) -> nn.Module:
     """ResNet-50, random weights from ``seed`` (so every model process builds the same model)."""
     torch.manual_seed(seed)
     return ResNet().eval()
+
+
+def build_resnet18(seed: int = 0) -> nn.Module:
+    """ResNet-18 (basic blocks, 2-2-2-2), random weights from ``seed``."""
+    torch.manual_seed(seed)
+    return ResNet(layers=(2, 2, 2, 2), block=BasicBlock).eval()
 
 
 def build_tiny(seed: int = 0) -> nn.Module:
