@@ -3,12 +3,26 @@
     python benchmark.py --worker_num 128 --worker_batch 1 --max_batch_size 32 --model_num 3 --wait_time 0.01
     python benchmark.py --no_dynamic_batch --worker_num 8 --worker_batch 1     # plain PyTorch
     python benchmark.py --tiny --device cpu --duration 3 --warmup 1            # CPU smoke run
+    python benchmark.py --model resnet18 --worker_num 128 --max_batch_size 32 --model_num 3 --wait_time 0.01
+    python benchmark.py --model resnet18 --no_dynamic_batch --worker_num 3 --worker_batch 32 --mps
 
 Both modes use the same workers and the same clock: every worker holds ``worker_batch`` images,
 sends them in a closed loop and timestamps each call; all workers start together after warm-up,
 and only calls inside the measurement window count. ``--dynamic_batch`` (default): the workers call
 a ``SharedModel`` served by ``model_num`` model processes. ``--no_dynamic_batch``: each worker loads
 the model itself and loops numpy -> device -> forward -> numpy (plain PyTorch).
+
+``--model`` picks the served model, built in code with random weights on first use into
+models/<name>.pt (fake_models.py): resnet50 (default, 224 x 224), resnet18 (112 x 112, the fast
+model: a batch-32 forward is meant to take about 1 ms on an H100/H200, so the runtime's own cost
+per request shows), tiny, or encoder (4 transformer layers, d=256, 64 tokens). The image size
+follows the model unless ``--image_size`` is given; ``--model_path`` serves a file of that
+model's input shape instead.
+
+Besides throughput and latency it reports CPU time (user + system) per request served inside the
+measurement window: the worker processes (clients), the model processes, and the supervisor --
+the main process (os.times) and the runtime's janitor -- from /proc/<pid>/stat read at the
+window's start and end.
 """
 from __future__ import annotations
 
@@ -26,6 +40,8 @@ from typing import List, Optional
 
 import numpy as np
 import posix_ipc
+
+import fake_models
 
 from simpledbi import ModelConfig, RuntimeOptions, SharedModel
 from simpledbi.shm import Segment, new_namespace, sweep_namespace
@@ -48,7 +64,8 @@ class BenchSpec:
     model_path: str = ""
     device: str = "auto"
     dtype: str = "float32"
-    image_size: int = 224
+    model: str = "resnet50"     # fake_models.MODELS: what model_path holds (its input shape)
+    image_size: int = 0         # side of the image input; 0: the model's own (224, resnet18 112)
     gather: str = "auto"
     cuda_graphs: str = "auto"   # auto | on | off (ModelConfig.cuda_graphs)
     arrival_rate: float = 0.0   # requests/s over all workers, Poisson; 0 = closed loop
@@ -58,6 +75,15 @@ class BenchSpec:
     batching: str = "adaptive"  # ModelConfig.batching: adaptive | fixed
     latency_target: float = 0.0  # ModelConfig.latency_target in seconds; 0 = none
     mps: str = "auto"           # RuntimeOptions.mps: the runtime manages CUDA MPS itself
+
+    def __post_init__(self):
+        if not self.image_size:
+            object.__setattr__(self, "image_size", fake_models.default_image_size(self.model))
+
+    @property
+    def item_shape(self) -> tuple:
+        """One image's (or sequence's) shape: what a request of ``worker_batch`` rows stacks."""
+        return fake_models.item_shape(self.model, self.image_size)
 
 
 # ---------------------------------------------------------------- start line for all workers
@@ -101,7 +127,7 @@ class StartLine:
 
 def _inputs(spec: BenchSpec, rank: int) -> List[np.ndarray]:
     rng = np.random.default_rng(spec.seed * 100003 + rank)
-    shape = (spec.worker_batch, 3, spec.image_size, spec.image_size)
+    shape = (spec.worker_batch, *spec.item_shape)
     return [rng.standard_normal(shape, dtype=np.float32).astype(spec.dtype) for _ in range(4)]
 
 
@@ -143,8 +169,7 @@ def _loop(call, xs, start: StartLine, spec: BenchSpec, timing=None, rank: int = 
 def dynamic_worker(rank: int, spec: BenchSpec, start_prefix: str):
     start = StartLine(start_prefix)
     try:
-        model = SharedModel("model", max_shape=(spec.worker_batch, 3, spec.image_size, spec.image_size),
-                            dtype=spec.dtype)
+        model = SharedModel("model", max_shape=(spec.worker_batch, *spec.item_shape), dtype=spec.dtype)
         return _loop(model.forward, _inputs(spec, rank), start, spec, model.last_timing, rank)
     finally:
         start.close()
@@ -181,14 +206,91 @@ def plain_worker(rank: int, spec: BenchSpec, start_prefix: str, conn) -> None:
 
 
 def _model_config(spec: BenchSpec) -> ModelConfig:
-    declared = dict(input_shapes=[(3, spec.image_size, spec.image_size)],
-                    input_dtypes=[spec.dtype]) if spec.input_shapes else {}
+    declared = dict(input_shapes=[spec.item_shape], input_dtypes=[spec.dtype]) if spec.input_shapes else {}
     return ModelConfig(name="model", path=spec.model_path, max_batch_size=spec.max_batch_size,
                        model_num=spec.model_num, wait_time=spec.wait_time, device=spec.device,
                        precision=spec.dtype, gather=spec.gather,
                        cuda_graphs={"on": True, "off": False}.get(spec.cuda_graphs, "auto"),
                        batching=spec.batching, latency_target=spec.latency_target or None,
                        max_clients=max(64, spec.worker_num + 8), **declared)
+
+
+# ---------------------------------------------------------------- CPU time per request
+_CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def proc_cpu_seconds(pid: int) -> Optional[float]:
+    """User + system CPU seconds of process ``pid``, all its threads (utime and stime of
+    /proc/<pid>/stat, in clock ticks: 10 ms resolution, summed over many processes and seconds);
+    None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()   # the name may hold spaces and ')'
+        return (int(fields[11]) + int(fields[12])) / _CLK_TCK
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+class CpuWindow:
+    """CPU time each group of processes spends inside the measurement window.
+
+    ``pids()`` returns {group: [pid, ...]} and is asked at both ends of the window (a process
+    restarted in between counts only if present at both). The main process is the group
+    "supervisor" (os.times: user + system of all its threads -- the runtime's supervision threads
+    and this script's, which sleep), plus whatever pids ``pids()`` puts there. A thread samples
+    at t_go + warmup and t_go + warmup + duration.
+    """
+
+    def __init__(self):
+        self.pids = lambda: {}   # set once the processes exist
+        self.samples: list = []   # (monotonic time, {group: {pid: seconds or None}})
+
+    def sample(self) -> None:
+        t = time.monotonic()
+        snap = {g: {p: proc_cpu_seconds(p) for p in ps} for g, ps in self.pids().items()}
+        own = os.times()
+        snap.setdefault("supervisor", {})[os.getpid()] = own.user + own.system
+        self.samples.append((t, snap))
+
+    def watch(self, t_go_box: list, go: threading.Event, done: threading.Event, spec: "BenchSpec"):
+        """Thread body: sample when the window opens and when it closes (unless ``done`` first:
+        run_config sets both events when it ends, so this never outlives it)."""
+        go.wait()
+        if done.is_set():
+            return
+        for at in (t_go_box[0] + spec.warmup, t_go_box[0] + spec.warmup + spec.duration):
+            if done.wait(max(0.0, at - time.monotonic())):
+                return
+            self.sample()
+
+    def result(self, requests: int, items_per_request: int) -> Optional[dict]:
+        """{"seconds", "processes", "per_request_us", ...} or None if the window was not seen."""
+        if len(self.samples) < 2:
+            return None
+        (t0, a), (t1, b) = self.samples[:2]
+        seconds, counted, unread = {}, {}, 0
+        for g in a:
+            both = [p for p in a[g] if a[g][p] is not None and b.get(g, {}).get(p) is not None]
+            unread += len(set(a[g]) | set(b.get(g, {}))) - len(both)
+            seconds[g] = sum(b[g][p] - a[g][p] for p in both)
+            counted[g] = len(both)
+        seconds["total"] = sum(seconds.values())
+        n = max(1, requests)
+        return {"window_s": t1 - t0, "requests": requests, "processes": counted, "unread_processes": unread,
+                "seconds": seconds,
+                "per_request_us": {g: v / n * 1e6 for g, v in seconds.items()},
+                "per_item_us": {g: v / (n * items_per_request) * 1e6 for g, v in seconds.items()}}
+
+
+def _runtime_pids(rt) -> dict:
+    """The runtime's processes by group, read through its attributes (tolerant: a group the
+    runtime does not expose is left out rather than failing the benchmark)."""
+    out = {"clients": [p.pid for p in getattr(rt, "worker_procs", {}).values()],
+           "model": [m.proc.pid for m in getattr(rt, "model_procs", [])]}
+    janitor = getattr(rt, "_janitor", None)
+    if janitor is not None and janitor.pid:
+        out["supervisor"] = [janitor.pid]
+    return out
 
 
 # ---------------------------------------------------------------- running one configuration
@@ -213,10 +315,16 @@ def run_config(spec: BenchSpec, quiet: bool = False) -> dict:
     """Run one configuration; returns its figures (see :func:`analyse`)."""
     start = StartLine()
     t_go_box: list = []
-    done = threading.Event()
+    done, go = threading.Event(), threading.Event()
     threading.Thread(target=_progress, args=(t_go_box, spec, done, quiet), daemon=True).start()
-    releaser = threading.Thread(target=lambda: t_go_box.append(start.release_all(spec.worker_num)),
-                                daemon=True)
+
+    def release():
+        t_go_box.append(start.release_all(spec.worker_num))
+        go.set()
+
+    releaser = threading.Thread(target=release, daemon=True)
+    cpu = CpuWindow()
+    watcher = threading.Thread(target=cpu.watch, args=(t_go_box, go, done, spec), daemon=True)
     records = runtime_stats = None
     try:
         if spec.dynamic_batch:
@@ -224,27 +332,39 @@ def run_config(spec: BenchSpec, quiet: bool = False) -> dict:
             # The runtime manages MPS as a user gets it (spec.mps="auto"); inside mps_daemon()
             # it finds that daemon in the environment and uses it instead.
             with Runtime([_model_config(spec)], RuntimeOptions(mps=spec.mps)) as rt:
+                cpu.pids = lambda: _runtime_pids(rt)
                 releaser.start()
+                watcher.start()
                 results = rt.run_workers(dynamic_worker, spec.worker_num, (spec, start.prefix))
+                watcher.join(5)   # the window closed before the last worker returned
                 from simpledbi.stats import batch_records, summarize
                 records = batch_records(rt.ctls["model"])
                 runtime_stats = dict(summarize(rt.ctls["model"]), mps=rt.mps.state, mps_reason=rt.mps.reason)
         else:
+            procs: list = []
+            cpu.pids = lambda: {"clients": [p.pid for p in procs]}
             releaser.start()
-            results = _run_plain(spec, start.prefix)
+            watcher.start()
+            results = _run_plain(spec, start.prefix, procs)
+            watcher.join(5)
     finally:
         done.set()
+        go.set()
         start.close()
     releaser.join(5)
     out = analyse(spec, t_go_box[0], results, records)
+    cpu_out = cpu.result(out["requests"], spec.worker_batch)
+    if cpu_out is not None:
+        out["cpu"] = cpu_out
     if runtime_stats is not None:
         out["runtime_stats"] = runtime_stats
     return out
 
 
-def _run_plain(spec: BenchSpec, prefix: str):
+def _run_plain(spec: BenchSpec, prefix: str, procs: Optional[list] = None):
     ctx = mp.get_context("spawn")
-    procs, conns = [], []
+    procs = [] if procs is None else procs   # the caller's list: CpuWindow reads the pids
+    conns = []
     for rank in range(spec.worker_num):
         a, b = ctx.Pipe(duplex=False)
         p = ctx.Process(target=plain_worker, args=(rank, spec, prefix, b))
@@ -340,7 +460,9 @@ def mps_daemon(enabled: bool):
 # ---------------------------------------------------------------- report
 def format_report(r: dict, baseline: Optional[dict] = None) -> str:
     c = r["config"]
-    lines = [f"{r['mode']:8s} workers={c['worker_num']} x batch {c['worker_batch']}"
+    model = c.get("model", "resnet50")
+    model += f"@{c['image_size']}" if fake_models.default_image_size(model) else ""
+    lines = [f"{r['mode']:8s} {model} workers={c['worker_num']} x batch {c['worker_batch']}"
              + (f", max_batch={c['max_batch_size']} model_num={c['model_num']} wait={c['wait_time']}"
                 if r["mode"] == "dynamic" else "") + f", device={c['device']} dtype={c['dtype']}"
              + (f" gather={c['gather']} cuda_graphs={c['cuda_graphs']}" if r["mode"] == "dynamic" else ""),
@@ -348,6 +470,8 @@ def format_report(r: dict, baseline: Optional[dict] = None) -> str:
              "  latency ms   mean {mean:.2f}  p50 {p50:.2f}  p90 {p90:.2f}  p99 {p99:.2f}".format(**r["latency_ms"])]
     if baseline:
         lines.append(f"  vs plain     {r['throughput'] / baseline['throughput']:.2f}x throughput")
+    if "cpu" in r:
+        lines.append("  " + format_cpu(r["cpu"]))
     if "batches" in r:
         lines.append(f"  batches      {r['batches']}  mean size {r['mean_batch_size']:.2f}  "
                      f"histogram {r['batch_size_histogram']}")
@@ -359,6 +483,19 @@ def format_report(r: dict, baseline: Optional[dict] = None) -> str:
                 f"{k[:-3].replace('_', ' ')} p50 {r[k]['p50']:.2f} p99 {r[k]['p99']:.2f}"
                 for k in ("to_batch_ms", "in_batch_ms")) + f"   wake p99 {r['wake_ms']['p99']:.2f} (ms)")
     return "\n".join(lines)
+
+
+def format_cpu(cpu: dict) -> str:
+    """One line: CPU microseconds per request served in the window, by group of processes."""
+    us, n = cpu["per_request_us"], cpu["processes"]
+    groups = [g for g in ("clients", "model", "supervisor") if g in us]
+    line = ("CPU/request  " + "  ".join(f"{g} {us[g]:.1f}" for g in groups)
+            + f"  total {us['total']:.1f} us   ({' + '.join(str(n[g]) for g in groups)} processes")
+    if cpu["per_item_us"]["total"] != us["total"]:
+        line += f"; per image {cpu['per_item_us']['total']:.1f} us"
+    if cpu["unread_processes"]:
+        line += f"; {cpu['unread_processes']} not read at both ends"
+    return line + ")"
 
 
 def plot_latency(series, path: str, hline_ms: Optional[float] = None) -> None:
@@ -390,15 +527,16 @@ def plot_latency(series, path: str, hline_ms: Optional[float] = None) -> None:
     fig.savefig(path, dpi=110)
 
 
-def ensure_model(path: str, tiny: bool) -> str:
+def ensure_model(path: str, tiny: bool = False, model: str = "resnet50") -> str:
+    """``path`` if given, else models/<model>.pt, written on first use (fake_models.py)."""
     if path:
         return path
-    name = "tiny_resnet" if tiny else "resnet50"
+    model = "tiny" if tiny else model
+    name = {"tiny": "tiny_resnet"}.get(model, model)
     path = os.path.join("models", f"{name}.pt")
     if not os.path.exists(path):
-        import fake_resnet50
         print(f"building {path} (first use) ...", file=sys.stderr)
-        fake_resnet50.export("models", "torchscript", tiny=tiny, name=name)
+        fake_models.export(model, "models", "torchscript", name)
     return path
 
 
@@ -424,9 +562,15 @@ def parse_args(argv=None):
                     help="plain PyTorch: every worker runs its own model")
     ap.add_argument("--duration", type=float, default=10.0, help="measurement window, seconds")
     ap.add_argument("--warmup", type=float, default=3.0, help="seconds before the window")
-    ap.add_argument("--model_path", default="", help="TorchScript/.pt2 file (default: fake ResNet-50)")
+    ap.add_argument("--model_path", default="", help="TorchScript/.pt2 file (default: --model's, built)")
     ap.add_argument("--tiny", action="store_true", help="use the small test ResNet (CPU smoke runs)")
-    ap.add_argument("--image_size", type=int, default=224)
+    ap.add_argument("--model", choices=tuple(fake_models.MODELS), default="resnet50",
+                    help="the model served, built in code with random weights into models/<name>.pt "
+                         "(default: resnet50; resnet18 at 112 x 112 is the fast model; encoder: 4 "
+                         "transformer layers, d=256, 64 tokens); with --model_path, the input shape "
+                         "of that file")
+    ap.add_argument("--image_size", type=int, default=0,
+                    help="side of the square input image (default: the model's: 224, resnet18 112)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", choices=("float32", "float16"), default="float32")
     ap.add_argument("--gather", choices=("auto", "host", "device"), default="auto")
@@ -441,10 +585,13 @@ def parse_args(argv=None):
 
 
 def spec_from_args(a) -> BenchSpec:
+    if a.tiny and a.model != "resnet50":
+        raise SystemExit(f"--tiny is the tiny ResNet: it does not combine with --model {a.model}")
+    model = "tiny" if a.tiny else a.model
     return BenchSpec(worker_num=a.worker_num, worker_batch=a.worker_batch, max_batch_size=a.max_batch_size,
                      model_num=a.model_num, wait_time=a.wait_time, dynamic_batch=a.dynamic_batch,
-                     duration=a.duration, warmup=a.warmup, model_path=ensure_model(a.model_path, a.tiny),
-                     device=a.device, dtype=a.dtype, image_size=a.image_size, gather=a.gather,
+                     duration=a.duration, warmup=a.warmup, model_path=ensure_model(a.model_path, model=model),
+                     device=a.device, dtype=a.dtype, model=model, image_size=a.image_size, gather=a.gather,
                      cuda_graphs=a.cuda_graphs, arrival_rate=a.arrival_rate, seed=a.seed)
 
 
