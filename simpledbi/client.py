@@ -1,8 +1,9 @@
 """What runs in the caller: ``SharedModel``, a PyTorch-looking handle on a served model.
 
 A handle lends *slots* (NOTE [slot protocol] in slots.py) to calls: a call borrows an idle slot
-from the handle's pool (or attaches a new one), publishes, sleeps on the slot's ``don``
-semaphore, reads its outputs and gives the slot back. Slots belong to the handle, not to threads,
+from the handle's pool (or makes a new one), writes its inputs there, sends one datagram to the
+model's socket, sleeps on the slot's ``done`` semaphore, reads its outputs and gives the slot
+back. Slots belong to the handle, not to threads,
 so a web server's thread pool that retires and creates threads never leaks them: a handle holds
 as many slots as it ever had calls in flight at once (plus those owed a late answer after a
 timeout, which are lent again only once it has arrived).
@@ -16,7 +17,10 @@ import functools
 import collections
 import errno
 import logging
+import math
 import os
+import socket
+import struct
 import sys
 import threading
 import time
@@ -29,12 +33,14 @@ from . import naming
 from .config import MODEL_NAME_RE
 from . import stats as _stats
 from .errors import ModelError, ModelProcessDied, RuntimeStopped, RuntimeUnavailable
+from .errors import SlotsExhausted
 from .layout import (
-    BROKEN, MAX_IO, MAX_NDIM, OUT_DICT, OUT_TENSOR, OUT_TUPLE, ST_BAD_REQUEST, ST_INTERNAL, ST_MODEL_ERROR,
-    ST_OK, ST_STOPPED, STOPPING, ControlBlock, SlotTable, code_dtype, decode_names, doorbell_name, dtype_code,
+    BROKEN, DATA_OFFSET, MAX_IO, MAX_NDIM, OUT_DICT, OUT_TENSOR, OUT_TUPLE, ST_BAD_REQUEST, ST_DIED,
+    ST_FULL, ST_INTERNAL, ST_MODEL_ERROR, ST_OK, ST_STOPPED, STOPPING, ControlBlock, code_dtype,
+    decode_names, dtype_code, socket_path,
 )
-from .shm import SHM_DIR, open_semaphore, pid_alive
-from .slots import ClientSlot
+from .shm import SHM_DIR, pid_alive
+from .slots import ClientSlot, _dumpable
 
 logger = logging.getLogger(__name__)
 
@@ -48,8 +54,6 @@ _ASYNC_MAX_THREADS = 4096
 _async_pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
 _async_pool_pid = 0
 _async_pool_lock = threading.Lock()
-#: Set (to a list) around a call whose timing must be read before its slot is lent again.
-_CAPTURE_TIMING: contextvars.ContextVar = contextvars.ContextVar("simpledbi_capture_timing", default=None)
 
 
 def _async_executor() -> concurrent.futures.ThreadPoolExecutor:
@@ -126,7 +130,22 @@ def _client_inputs(model: str, declared, max_shape, dtype, max_batch: int):
     for k, (got, want) in enumerate(zip(dtypes, decl_dtypes)):
         if got != want:
             raise TypeError(f"dtype: input {_label(names, k)}: model {model!r} declares {want}, got {got}")
+    _check_slot_size(max_shapes, dtypes)
     return max_shapes, dtypes
+
+
+def _check_slot_size(max_shapes, dtypes) -> None:
+    """A slot holds every input at its max_shape: refuse, up front, one larger than this
+    machine's memory (a shape of 2**40 x 2**40 would otherwise fail at every call)."""
+    need = DATA_OFFSET + sum(math.prod(s) * dt.itemsize for s, dt in zip(max_shapes, dtypes))
+    try:
+        memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        memory = 2**48
+    if need > memory:
+        raise ValueError(f"max_shape {list(max_shapes)} ({', '.join(map(str, dtypes))}) needs a slot of "
+                         f"{need:,} bytes ({need / 2**30:,.1f} GiB), more than this machine's memory "
+                         f"({memory / 2**30:,.1f} GiB): expected the largest request this client sends")
 
 
 def _label(names: Sequence[str], k: int) -> str:
@@ -222,6 +241,7 @@ class SharedModel:
         # The last request of the calling thread -- or asyncio task: every thread and every task
         # sees its own value of a context variable.
         self._last: contextvars.ContextVar = contextvars.ContextVar(f"simpledbi_last_{id(self)}")
+        self._latest = None   # the timing of the last request this handle completed, any thread
         self._closed = False
         # Detach on close(), at worker exit, or when the handle is garbage-collected: an attached
         # but unused slot would make model processes wait for a request that never comes.
@@ -335,14 +355,18 @@ class SharedModel:
         if timeout is not None and not (isinstance(timeout, (int, float)) and timeout >= 0):
             raise ValueError(f"timeout: expected None or seconds >= 0, got {timeout!r}")
         deadline = None if timeout is None else time.monotonic() + timeout
-        h = self._h
-        if self.runtime is not None and (h.gone or h.ctl.state >= STOPPING and h.ctl.state != BROKEN):
-            h = self._reattach(h, deadline)
-        slot = h.borrow(self)
-        try:
-            outs, structure, out_names = self._call(slot, arrays, deadline, names, positions)
-        finally:
-            h.give_back(slot)
+        while True:
+            h = self._h
+            if self.runtime is not None and (h.gone or h.ctl.state >= STOPPING and h.ctl.state != BROKEN):
+                h = self._reattach(h, deadline)
+            slot = h.borrow(self)
+            try:
+                outs, structure, out_names = self._call(h, slot, arrays, deadline, names, positions)
+                break
+            except _Resend:
+                continue   # the runtime went away before anyone took the request: its successor
+            finally:
+                h.give_back(slot)
         if as_torch:
             torch = sys.modules["torch"]
             outs = [torch.from_numpy(o) for o in outs]
@@ -353,46 +377,40 @@ class SharedModel:
     async def forward_async(self, *inputs, timeout: Optional[float] = None, **kw_inputs):
         """``await``-able :meth:`forward`: the event loop never blocks, and concurrent coroutines
         of one process are batched together (each call waits in a thread of a pool that grows
-        with the calls in flight). Cancelling the coroutine abandons the call's result; its slot
-        is lent again once the answer has arrived."""
+        with the calls in flight). Cancelling the coroutine withdraws the request if no model
+        process has taken it yet, else abandons its result (its slot is lent again once the
+        answer has arrived)."""
         loop = asyncio.get_running_loop()
         call = functools.partial(self._forward_keeping_last, inputs, timeout, kw_inputs)
         out, timing = await loop.run_in_executor(_async_executor(), call)
-        self._last.set(timing)  # in this task's context: last_timing() works here too
+        self._last.set(timing)  # in this task's context: last_timing() in the task sees its own
         return out
 
     def _forward_keeping_last(self, inputs, timeout, kw_inputs):
-        box = []
-        _CAPTURE_TIMING.set(box)  # this executor thread's own context
-        try:
-            out = self.forward(*inputs, timeout=timeout, **kw_inputs)
-        finally:
-            _CAPTURE_TIMING.set(None)
-        return out, box[0] if box else None
+        out = self.forward(*inputs, timeout=timeout, **kw_inputs)
+        return out, self._last.get(None)   # set by this executor thread's own call
 
     def last_timing(self) -> dict:
         """Where the calling thread's (or asyncio task's) last request spent its time (seconds,
         ``time.monotonic`` clock): ``published``, ``batch_closed`` (its batch started), ``done``
-        (its result was written), ``woken`` (the caller resumed), and ``batch_rows``."""
-        last = self._last.get(None)
+        (its result was written), ``woken`` (the caller resumed), and ``batch_rows``. A thread or
+        task that made no request of its own (the code that awaited ``asyncio.gather`` of several
+        calls, say) gets the last request this handle completed."""
+        last = self._last.get(None) or self._latest
         if last is None:
-            raise RuntimeError("no request has completed on this thread yet")
-        if isinstance(last, dict):  # captured by forward_async
-            return dict(last)
-        slot, seq = last
-        if slot.seg is None or not slot.answered(seq):
-            raise RuntimeError("this thread's last request is no longer on record (its slot has "
-                               "served another call since)")
-        slot.response()
-        return slot.timing()
+            raise RuntimeError(f"SharedModel({self.name!r}): no request has completed through this "
+                               f"handle yet")
+        return dict(zip(_TIMING_KEYS, last))
 
     def stats(self) -> dict:
         """Counters of the whole model (all its processes): requests, batches, mean_batch_size, ..."""
+        if self._closed:
+            raise RuntimeStopped(f"SharedModel({self.name!r}) is closed")
         return _stats.summarize(self._h.ctl)
 
     def close(self) -> None:
-        """Detach every slot of this handle and remove its shared memory. Idempotent. Calls in
-        flight on other threads end with ``RuntimeStopped``."""
+        """Detach every slot of this handle. Idempotent. Calls in flight on other threads end
+        with ``RuntimeStopped``."""
         if self._closed:
             return
         self._closed = True
@@ -409,13 +427,22 @@ class SharedModel:
         return f"SharedModel({self.name!r}, max_shape={self.max_shapes}, namespace={self.namespace!r})"
 
     # ------------------------------------------------------------ one call
-    def _call(self, slot: ClientSlot, arrays: List[np.ndarray], deadline: Optional[float],
+    def _call(self, h: "_Handles", slot: ClientSlot, arrays: List[np.ndarray], deadline: Optional[float],
               names: int = 0, positions: Optional[Tuple[int, ...]] = None):
-        if slot.ctl.state >= STOPPING:
-            self._raise_runtime_state(slot.ctl)
-        seq = slot.publish(arrays, names, positions)
+        if h.ctl.state >= STOPPING:
+            self._raise_runtime_state(h, slot)
         try:
-            return self._await(slot, seq, deadline)
+            seq = slot.publish(arrays, names, positions, deadline or 0.0)
+            sent = True
+        except BlockingIOError:   # the model's queue is full: wait for room below
+            seq, sent = slot.seq, False
+        except OSError as e:      # the socket is gone: the runtime stopped
+            slot.withdraw()
+            self._gone(h, e)
+        try:
+            if not sent:
+                self._send_when_room(h, slot, deadline)
+            return self._await(h, slot, seq, deadline)
         except BaseException:
             # Whatever ended the wait (a typed error, KeyboardInterrupt, ...): a request still
             # owed an answer keeps its slot stale, so the late answer can never reach a later call.
@@ -423,7 +450,31 @@ class SharedModel:
                 slot.stale_seq = seq
             raise
 
-    def _await(self, slot: ClientSlot, seq: int, deadline: Optional[float]):
+    def _send_when_room(self, h: "_Handles", slot: ClientSlot, deadline: Optional[float]) -> None:
+        """The model's socket queue was full: wait for room in the kernel (woken alone when a
+        model process takes a datagram), a poll interval at a time, checking between waits that
+        someone is still there to take it."""
+        while True:
+            wait = self.poll_interval
+            if deadline is not None:
+                wait = min(wait, deadline - time.monotonic())
+                if wait <= 0:
+                    if slot.withdraw():
+                        raise TimeoutError(f"model {self.name!r}: no result within the timeout (the "
+                                           f"model's queue stayed full; the request was not sent)")
+                    raise TimeoutError(f"model {self.name!r}: no result within the timeout")
+            h.set_send_timeout(wait)
+            try:
+                slot.send(slot._msg, block=True)
+                return
+            except BlockingIOError:
+                pass
+            except OSError as e:
+                slot.withdraw()
+                self._gone(h, e)
+            self._check_runtime(h, slot)
+
+    def _await(self, h: "_Handles", slot: ClientSlot, seq: int, deadline: Optional[float]):
         poll = self.poll_interval
         while True:
             wait = poll
@@ -437,17 +488,14 @@ class SharedModel:
                 if not slot.withdraw():
                     slot.stale_seq = seq
                 raise RuntimeStopped(f"SharedModel({self.name!r}) was closed while this call waited")
-            self._check_alive(slot, seq)
+            self._check_alive(h, slot, seq)
         status, text, structure = slot.response()
-        slot.mark_idle()
         if status != ST_OK:
             self._raise_status(status, text)
         outs = slot.outputs()
         out_names = slot.output_names() if structure >= OUT_DICT else b""
-        self._last.set((slot, seq))
-        box = _CAPTURE_TIMING.get()
-        if box is not None:
-            box.append(slot.timing())
+        self._latest = timing = slot.timing_tuple()
+        self._last.set(timing)
         return outs, structure, out_names
 
     def _on_timeout(self, slot: ClientSlot, seq: int):
@@ -458,59 +506,51 @@ class SharedModel:
         raise TimeoutError(f"model {self.name!r}: no result within the timeout; the request is "
                            f"being computed and its late result will be discarded")
 
-    def _check_alive(self, slot: ClientSlot, seq: int) -> None:
-        """After a poll interval without an answer: is anyone still going to answer?"""
-        ctl = slot.ctl
+    def _gone(self, h: "_Handles", e: BaseException):
+        """The model's socket refused a datagram: its runtime is gone."""
+        h.gone = True
+        if self.runtime is not None:
+            raise _Resend()
+        raise RuntimeStopped(f"model {self.name!r}: the runtime is gone ({e.strerror or e})") from None
+
+    def _check_runtime(self, h: "_Handles", slot: ClientSlot) -> None:
+        """Is the runtime still there to take a request? (Raises if not: _Resend when attached
+        by name and the request was taken back, so the call goes to the successor.)"""
+        ctl = h.ctl
         state = ctl.state
-        if state == BROKEN:
-            self._raise_runtime_state(ctl)
         supervisor = int(ctl.hdr["supervisor_pid"])
         if supervisor and not pid_alive(supervisor):
-            if slot.namespace == self._h.namespace:
-                self._h.gone = True  # the next call re-attaches (by name) or fails at once
-            if not slot.withdraw():
-                slot.stale_seq = seq
+            h.gone = True
+            if slot.withdraw():
+                if self.runtime is not None:
+                    raise _Resend()
+                raise RuntimeStopped(f"model {self.name!r}: the runtime (pid {supervisor}) is gone")
             raise RuntimeStopped(f"model {self.name!r}: the runtime (pid {supervisor}) is gone")
+        if state == BROKEN or state == STOPPING:
+            if slot.withdraw():
+                self._raise_runtime_state(h, slot)
+
+    def _check_alive(self, h: "_Handles", slot: ClientSlot, seq: int) -> None:
+        """After a poll interval without an answer: is anyone still going to answer?"""
         claim = slot.claimed_by(seq)
-        if claim is not None:
-            slot.lost_at = 0.0
+        if claim is not None and not slot.queued():
             instance, pid = claim
             if not pid_alive(pid):
                 raise ModelProcessDied(f"model {self.name!r}: model process {instance} (pid {pid}) "
                                        f"died while computing this request")
             return
-        if state == STOPPING:
-            if slot.withdraw():
-                self._raise_runtime_state(ctl)
-            return
-        if slot.ready.value == 0:
-            # Taken, but no claim of ours recorded: it is being recorded right now (microseconds),
-            # or the model process died between taking and recording it -- or a claim of a
-            # request another client forged under this slot index overwrote the record. Only a
-            # death the supervisor has seen since this request was published makes it lost.
-            now = time.monotonic()
-            if not slot.lost_at:
-                slot.lost_at = now
-            elif now - slot.lost_at >= self.poll_interval:
-                if ctl.deaths != slot.deaths_at_publish:
-                    slot.stale_seq = seq
-                    raise ModelProcessDied(f"model {self.name!r}: the model process that took this "
-                                           f"request stopped before recording it")
-                other = slot.answered_under_another_seq(seq)
-                if other is not None:  # my header was unreadable: answered under my row's seq
-                    status, text, _ = slot.response()
-                    slot.mark_idle()
-                    self._raise_status(status or ST_BAD_REQUEST, text)
-                slot.lost_at = now   # someone alive holds it: look again after another interval
-            return
-        slot.lost_at = 0.0
-        slot.repair_hint(seq)
+        self._check_runtime(h, slot)
 
-    def _raise_runtime_state(self, ctl: ControlBlock):
+    def _raise_runtime_state(self, h: "_Handles", slot: Optional[ClientSlot] = None):
+        ctl = h.ctl
         if ctl.state == BROKEN:
             raise ModelProcessDied(ctl.message() or f"model {self.name!r}: the runtime is broken",
                                    int(ctl.hdr["broken_code"]) or None)
+        if self.runtime is not None:
+            h.gone = True
+            raise _Resend()
         raise RuntimeStopped(f"model {self.name!r}: the runtime is shutting down")
+
 
     def _raise_status(self, status: int, text: str) -> None:
         if status in (ST_MODEL_ERROR, ST_INTERNAL):
@@ -523,6 +563,10 @@ class SharedModel:
             raise ValueError(f"model {self.name!r} rejected the request: {text}")
         if status == ST_STOPPED:
             raise RuntimeStopped(f"model {self.name!r}: {text or 'runtime stopped'}")
+        if status == ST_DIED:
+            raise ModelProcessDied(f"model {self.name!r}: {text}")
+        if status == ST_FULL:
+            raise SlotsExhausted(f"model {self.name!r}: {text}")
         raise ModelProcessDied(f"model {self.name!r}: unknown response status {status}: {text}")
 
     def _validate(self, inputs, named=None):
@@ -623,49 +667,68 @@ class SharedModel:
 
 
 
-class _Handles:
-    """What a SharedModel holds: the model's control block (read-only), slot table, doorbell
-    and the slot pool. Separate from the SharedModel so its finalizer can reach it."""
+class _Resend(Exception):
+    """Internal: the runtime went away before any model process took the request (it was taken
+    back): a client attached by name sends it to the successor."""
 
-    def __init__(self, namespace: str, name: str, ctl: ControlBlock, table: SlotTable, doorbell):
+
+_TIMING_KEYS = ("published", "batch_closed", "done", "woken", "batch_rows")
+
+
+class _Handles:
+    """What a SharedModel holds: the model's control block (read-only), a socket connected to the
+    model's request socket, and the slot pool. Separate from the SharedModel so its finalizer can
+    reach it."""
+
+    def __init__(self, namespace: str, name: str, ctl: ControlBlock, sock: socket.socket):
         self.namespace, self.name = namespace, name
-        self.ctl, self.table, self.doorbell = ctl, table, doorbell
+        self.ctl, self.sock = ctl, sock
         self.pid = os.getpid()
         self.lock = threading.Lock()
         self.idle: List[ClientSlot] = []
         self.stale: List[ClientSlot] = []
         self.busy: set = set()
-        self.creating = 0          # slots being attached right now (outside the lock)
+        self.creating = 0          # slots being made right now (outside the lock)
         self.closed = False
         self.gone = False          # its runtime's main process was seen dead
+        self._send_fd = not _dumpable()
+        self._sndtimeo = -1.0
 
     @classmethod
     def open(cls, namespace: str, name: str) -> "_Handles":
         try:
             ctl = ControlBlock.attach(namespace, name, readonly=True)
         except OSError as e:
-            # none, or not a control block (something a client put at its path: a FIFO, a link)
-            if e.errno not in (errno.ENOENT, errno.EINVAL, errno.ELOOP):
+            # none, or not a control block (something a client put at its path)
+            if e.errno not in (errno.ENOENT, errno.EINVAL, errno.ELOOP, errno.ENXIO, errno.EACCES):
                 raise
             try:
                 with os.scandir(os.path.join(SHM_DIR, namespace)) as entries:
-                    available = sorted(e.name[:-4] for e in entries
-                                       if e.name.endswith(".ctl") and e.is_file(follow_symlinks=False))
+                    available = sorted(e.name[:-4] for e in entries if e.name.endswith(".ctl"))
             except OSError:
                 raise LookupError(f"no simpledbi runtime {namespace!r} is running here") from None
             raise LookupError(f"no model named {name!r} in runtime {namespace}; available: "
                               f"{available}") from None
         try:
-            table = SlotTable.attach(namespace, name, ctl.max_slots)
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
             try:
-                doorbell = open_semaphore(doorbell_name(namespace, name))
+                sock.connect(socket_path(namespace, name))
             except BaseException:
-                table.close()
+                sock.close()
                 raise
         except BaseException:
             ctl.close()
             raise
-        return cls(namespace, name, ctl, table, doorbell)
+        return cls(namespace, name, ctl, sock)
+
+    def set_send_timeout(self, seconds: float) -> None:
+        """How long a blocking send waits for room in the model's queue (a kernel wait)."""
+        seconds = max(seconds, 1e-6)
+        if abs(seconds - self._sndtimeo) > 1e-4:
+            sec = int(seconds)
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
+                                 struct.pack("ll", sec, int((seconds - sec) * 1e6)))
+            self._sndtimeo = seconds
 
     def borrow(self, client: SharedModel) -> ClientSlot:
         with self.lock:
@@ -681,13 +744,11 @@ class _Handles:
                 if slot.settled():
                     self.stale.remove(slot)
                     slot.stale_seq = 0
-                    slot.mark_idle()
                     self.busy.add(slot)
                     return slot
-            self.creating += 1  # the shared handles stay open until this attach is done
+            self.creating += 1  # the shared handles stay open until this one is made
         try:
-            slot = ClientSlot(self.namespace, self.name, self.ctl, self.table, self.doorbell,
-                              client.max_shapes, client.dtypes)
+            slot = ClientSlot(self.sock, client.max_shapes, client.dtypes, self._send_fd)
         except BaseException:
             with self.lock:
                 self.creating -= 1
@@ -718,7 +779,7 @@ class _Handles:
             self._close_shared()
 
     def _forked(self) -> None:
-        """In a forked child: the parent's slots are the parent's (its locks are not ours)."""
+        """In a forked child: the parent's slots are the parent's (its calls use them)."""
         self.pid = os.getpid()
         self.lock = threading.Lock()
         self.idle, self.stale, self.busy, self.creating = [], [], set(), 0
@@ -742,6 +803,5 @@ class _Handles:
             self._close_shared()
 
     def _close_shared(self) -> None:
-        self.doorbell.close()
-        self.table.close()
+        self.sock.close()
         self.ctl.close()

@@ -16,6 +16,7 @@ Timing of each stage is measured with CUDA events on the device (no extra synchr
 """
 from __future__ import annotations
 
+import ctypes
 import inspect
 import logging
 import os
@@ -43,6 +44,9 @@ GRAPH_AFTER_BATCHES = 3
 PAD_BUDGET_BATCHES = 4
 
 
+_memmove = ctypes.memmove
+
+
 def _describe(sig) -> str:
     return ", ".join(f"{name + ' ' if name else ''}{tuple(item)} {np.dtype(d)}" for item, d, name in sig)
 
@@ -53,9 +57,10 @@ class BadModelOutput(Exception):
 
 @dataclass
 class Gather:
-    """What one batch reads: ``sources[k][r] = (fd, offset, nbytes, address)`` is request r's
-    rows of input k (``address`` is 0 unless the segment is mapped and registered for DMA).
-    Requests whose rows could not be read in full are added to ``short``."""
+    """What one batch reads: ``sources[k][r] = (address, offset, nbytes, dma)`` is request r's
+    rows of input k in its client's slot, mapped at ``address`` (``dma``: the same address when
+    the slot is registered for DMA, else 0). ``short`` stays for requests whose rows could not be
+    read in full (none, since slots cannot shrink)."""
 
     rows: int
     items: Tuple[Tuple[int, ...], ...]
@@ -65,32 +70,17 @@ class Gather:
     names: Optional[Tuple[str, ...]] = None   # keyword inputs: the model is called with these names
 
 
-def _read_into(buf: np.ndarray, sources, short: set) -> None:
-    """preadv each source into consecutive bytes of ``buf``; zero-fill and record short reads."""
-    mv = memoryview(buf).cast("B") if buf.flags.c_contiguous else memoryview(buf.reshape(-1).view(np.uint8))
-    _read_bytes(mv, sources, short)
+def _read_into(buf: np.ndarray, sources, short: set = None) -> None:
+    """Copy each source's bytes into consecutive bytes of ``buf`` (C-contiguous)."""
+    _read_bytes(buf.ctypes.data, sources)
 
 
-def _read_bytes(mv: memoryview, sources, short: set) -> None:
-    """:func:`_read_into` a byte memoryview."""
-    if len(sources) == 1:
-        fd, offset, nbytes, _ = sources[0]
-        try:
-            got = os.preadv(fd, [mv], offset) if nbytes == len(mv) else -1
-        except (OSError, TypeError):
-            got = -1
-        if got == nbytes:
-            return
-    pos = 0
-    for r, (fd, offset, nbytes, _) in enumerate(sources):
-        try:
-            got = os.preadv(fd, [mv[pos:pos + nbytes]], offset)
-        except (OSError, TypeError):  # a descriptor closed under us counts as nothing read
-            got = 0
-        if got != nbytes:
-            mv[pos + got:pos + nbytes] = bytes(nbytes - got)
-            short.add(r)
-        pos += nbytes
+def _read_bytes(dst: int, sources) -> None:
+    """Copy each source -- ``(slot address, offset, nbytes, _)``: a mapping of a client's sealed
+    memfd, the range checked against its size at intake -- to consecutive bytes at ``dst``."""
+    for address, offset, nbytes, _ in sources:
+        _memmove(dst, address + offset, nbytes)
+        dst += nbytes
 
 
 def resolve_device(device: str, ordinal: int = 0) -> torch.device:
@@ -355,8 +345,8 @@ class Engine:
                         del views[stale]
                 if len(views) > 256:
                     views.clear()
-                view = views[key] = (buf, arr, memoryview(buf[:nbytes]))
-            _read_bytes(view[2], g.sources[k], g.short)
+                view = views[key] = (buf, arr, buf.ctypes.data)
+            _read_bytes(view[2], g.sources[k])
             xs.append(torch.from_numpy(view[1]))
         if self.cast is not None:
             xs = [x.to(self.cast) if x.is_floating_point() else x for x in xs]

@@ -24,7 +24,7 @@ from .shm import SHM_DIR, sweep_namespace
 
 def janitor_main(namespace: str, conn, grace: float) -> None:
     ignore_ctrl_c()
-    workers, models, daemons, registrations = set(), set(), [], []
+    workers, models, daemons, registrations, ctls = set(), set(), [], [], []
     orphaned = False
     while True:
         try:
@@ -43,12 +43,18 @@ def janitor_main(namespace: str, conn, grace: float) -> None:
             models.discard(msg[1])
         elif kind == "registration":  # the runtime's name (naming.py)
             registrations.append(msg[1])
+        elif kind == "ctl":  # a model's control block: mapped now, while the runtime lives (its
+            try:             # memfd is reached through the runtime's /proc fd table)
+                ctls.append(ControlBlock.attach(namespace, msg[1], readonly=False))
+            except (OSError, RuntimeError, ValueError):
+                pass
         elif kind == "done":
             break
     if orphaned:
         for path in registrations:
             unregister(path, namespace)
-        _mark_stopping(namespace)  # attached clients see it at once, and named ones re-attach
+        for ctl in ctls:   # attached clients see it at once, and named ones re-attach
+            ctl.set_state(STOPPING)
         for pid in workers:
             _signal(pid, signal.SIGTERM)
         _wait_all(models | workers, grace)
@@ -57,24 +63,9 @@ def janitor_main(namespace: str, conn, grace: float) -> None:
         _wait_all(models | workers, 5.0)
         for daemon in daemons:
             daemon.stop(grace)
+    for ctl in ctls:
+        ctl.close()
     sweep_namespace(namespace)
-
-
-def _mark_stopping(namespace: str) -> None:
-    try:
-        entries = os.listdir(os.path.join(SHM_DIR, namespace))
-    except OSError:
-        return
-    for entry in entries:
-        if entry.endswith(".ctl"):
-            try:
-                ctl = ControlBlock.attach(namespace, entry[:-4], readonly=False)
-            except (OSError, RuntimeError, ValueError):
-                continue
-            try:
-                ctl.set_state(STOPPING)
-            finally:
-                ctl.close()
 
 
 def _signal(pid: int, sig: int) -> None:

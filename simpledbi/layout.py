@@ -1,25 +1,30 @@
-"""The shared-memory layouts, as types: numpy structured dtypes viewed over the files in a
-namespace's directory. Who may write what is part of each layout's definition:
+"""The shared layouts, as types: numpy structured dtypes and structs over a model's control block,
+a client's slot segment and the request datagram. Who may write what is part of each definition:
 
-=================  ==========================================  ===========================
-file               contents                                     writers
-=================  ==========================================  ===========================
-``<m>.ctl``        HEADER, INSTANCE rows, CLAIM rows (one per     runtime + model processes;
-                   slot), COUNTERS, the batch ring, a message,    clients map it read-only
-                   the model's declared inputs (SPEC, JSON)
-``<m>.table``      SLOT rows: one per slot, *hints* for the       each client its own row (the
-                   model processes' scan                          reaper once it is dead)
-``<m>.s<i>.lock``  empty; a POSIX lock on it = slot i is taken    its client
-``<m>.s<i>.<tok>`` REQUEST header, RESPONSE header + RESP_SEQ,    client: request + inputs;
-                   error text, input regions, output regions      model: the rest, by pwrite
-=================  ==========================================  ===========================
+====================  ========================================  ============================
+what                  contents                                   writers
+====================  ========================================  ============================
+``<m>.ctl`` (memfd)   HEADER, INSTANCE rows, per instance the    runtime + model processes;
+                      requests it holds (HELD rows), COUNTERS,   clients map it read-only
+                      the batch ring, a message, the model's
+                      declared inputs (SPEC, JSON)
+``<m>.sock``          the model's request socket: one datagram   clients send; the kernel
+                      per request (REQ_PREFIX + its layout)      says who sent each
+client slot (memfd)   two words (ticket, done: futex.py), the    client: request inputs,
+                      published seq, who claimed it, RESPONSE    PUB_SEQ; model: the rest
+                      header + RESP_SEQ, error text, inputs,
+                      outputs
+====================  ========================================  ============================
 
-Everything a client can write is input to a model process and is validated there
-(:mod:`simpledbi.slots`); nothing a model process must trust lives where a client can write it.
+Both memory objects are memfds sealed against shrinking (shm.py): no process that maps one can
+ever get a SIGBUS from it, whatever anyone does to the file. Everything a client writes -- its
+datagrams, its slot -- is input to a model process, validated there (slots.py); nothing a model
+process must trust lives where a client writes.
 """
 from __future__ import annotations
 
 import json
+import struct
 import zlib
 from typing import List, Sequence, Tuple
 
@@ -28,7 +33,7 @@ import numpy as np
 from .shm import Segment, ns_path
 
 MAGIC = 0x31494244535F  # "_SDBI1"
-VERSION = 6
+VERSION = 7
 MAX_IO = 8          # inputs and outputs per request
 MAX_NAMES = 48      # input names a model declares: bits 0..47 of a request's ``flags``
 MAX_NDIM = 8        # dimensions of one item (an input or output row)
@@ -85,23 +90,25 @@ HEADER = np.dtype([
     ("model_num", "<i8"), ("max_batch", "<i8"), ("wait_time", "<f8"), ("supervisor_pid", "<i8"),
     ("broken_code", "<i8"), ("msg_len", "<i8"), ("bank", "<i8"), ("spec_len", "<i8"),
     ("deaths", "<i8"),      # model processes of this model found dead so far (by the supervisor)
-    ("reserved", "<i8", (3,)),
+    ("held_cap", "<i8"),    # HELD rows per instance: the most requests a model process holds
+    ("reserved", "<i8", (2,)),
 ])
 # Instance rows come in two banks of model_num: a rolling reload starts the new processes in the
 # other bank (while the current ones serve), then switches ``bank`` and retires the old ones.
+# ``held``: requests the process took and has not answered; ``clients``: client slots it knows
+# (batching counts who may still send from them; status shows them).
 INSTANCE = np.dtype([
     ("pid", "<i8"), ("state", "<i8"), ("device", "<i8"), ("restarts", "<i8"), ("t_start", "<f8"),
-    ("graphs", "<i8"), ("free", "<i8"), ("reserved", "<i8"),
+    ("graphs", "<i8"), ("free", "<i8"), ("held", "<i8"), ("clients", "<i8"), ("reserved", "<i8", (7,)),
 ])
-# Written by the model process that claimed the slot's request: pid and instance first, then
-# token and seq (a client trusts a claim only when token and seq are its own); ``done`` = seq
-# once answered (until its client reads the answer, it counts as a client that may send again).
-CLAIM = np.dtype([("token", "<u8"), ("seq", "<i8"), ("instance", "<i8"), ("pid", "<i8"),
-                  ("done", "<i8"), ("reserved", "<i8", (3,))])
+# One per request a model process holds (its own rows, HEADER.held_cap of them): whose request,
+# so that the supervisor can answer its caller at once if the process dies. ``pid`` 0 = unused;
+# written last when taken, first when released.
+HELD = np.dtype([("fd", "<i8"), ("token", "<u8"), ("seq", "<i8"), ("pid", "<i8")])
 COUNTERS = np.dtype([
     ("requests", "<i8"), ("batches", "<i8"), ("rows", "<i8"), ("errors", "<i8"),
     ("ring_head", "<i8"), ("isolated", "<i8"), ("bad_requests", "<i8"), ("over_target", "<i8"),
-    ("claims_missed", "<i8"), ("reserved", "<i8", (7,)),   # 128 bytes a row
+    ("withdrawn", "<i8"), ("reserved", "<i8", (7,)),   # 128 bytes a row
 ])
 # batch record fields (seconds unless noted): where a batch's time went
 B_FIELDS = ("t_close", "rows", "requests", "queue_wait", "gather", "h2d", "forward", "d2h",
@@ -120,13 +127,20 @@ BATCH_HIST_MAX = 128
 SPEC_BYTES = 16384
 
 
-def _parts(max_slots: int, rows: int):
+def held_cap(max_batch: int) -> int:
+    """Requests one model process may hold at once: two batches in flight (pipelining) and as
+    many again collected or set aside; past that it takes no more from the socket (the kernel
+    queue and the clients' own sends hold the rest)."""
+    return 4 * max_batch + 16
+
+
+def _parts(held: int, rows: int):
     def part(dtype, shape):
         return dtype, shape, align(int(np.prod(shape)) * np.dtype(dtype).itemsize, 64)
     return {
         "header": part(HEADER, (1,)),
         "all_instances": part(INSTANCE, (rows,)),
-        "claims": part(CLAIM, (max_slots,)),
+        "held": part(HELD, (rows, held)),
         "counters": part(COUNTERS, (rows,)),
         "ring": part(np.float64, (rows, RING, len(B_FIELDS))),
         "hist": part(np.int64, (rows, 3, H_SUM + 1)),
@@ -149,16 +163,18 @@ def words(arr: np.ndarray, fmt: str = "q") -> memoryview:
 
 
 class ControlBlock:
-    """Views into one model's control file. Clients attach it read-only."""
+    """Views into one model's control block, a sealed memfd of the runtime's main process.
+    Others reach it through ``<ns>/<m>.ctl``, a symlink to ``/proc/<main pid>/fd/<n>`` (see
+    shm.Segment); clients map it read-only."""
 
-    PARTS = ("header", "all_instances", "claims", "counters", "ring", "hist", "batch_hist", "msg",
+    PARTS = ("header", "all_instances", "held", "counters", "ring", "hist", "batch_hist", "msg",
              "spec")
 
-    def __init__(self, seg: Segment, max_slots: int, model_num: int):
+    def __init__(self, seg: Segment, held: int, model_num: int):
         self.seg = seg
         self._model_num = model_num
         off = 0
-        for k, (dtype, shape, nbytes) in _parts(max_slots, 2 * model_num).items():
+        for k, (dtype, shape, nbytes) in _parts(held, 2 * model_num).items():
             setattr(self, k, seg.ndarray(off, dtype, shape))
             off += nbytes
         self.hdr = self.header.reshape(())   # 0-d record: hdr["state"] reads and writes in place
@@ -166,16 +182,18 @@ class ControlBlock:
         self._hdr_words = words(self.header)
 
     @staticmethod
-    def size(max_slots: int, model_num: int) -> int:
-        return sum(p[2] for p in _parts(max_slots, 2 * model_num).values())
+    def size(held: int, model_num: int) -> int:
+        return sum(p[2] for p in _parts(held, 2 * model_num).values())
 
     @classmethod
-    def create(cls, namespace: str, model: str, max_slots: int, model_num: int, max_batch: int,
-               wait_time: float, supervisor_pid: int) -> "ControlBlock":
-        seg = Segment(ctl_path(namespace, model), cls.size(max_slots, model_num), create=True)
-        ctl = cls(seg, max_slots, model_num)
+    def create(cls, namespace: str, model: str, model_num: int, max_batch: int,
+               wait_time: float, supervisor_pid: int, max_clients: int = 0) -> "ControlBlock":
+        held = held_cap(max_batch)
+        seg = Segment.create_memfd(f"sdbi-{model}.ctl", cls.size(held, model_num),
+                                   link=ctl_path(namespace, model))
+        ctl = cls(seg, held, model_num)
         h = ctl.hdr
-        h["version"], h["state"], h["max_slots"] = VERSION, STARTING, max_slots
+        h["version"], h["state"], h["held_cap"], h["max_slots"] = VERSION, STARTING, held, max_clients
         h["model_num"], h["max_batch"], h["wait_time"] = model_num, max_batch, wait_time
         h["supervisor_pid"] = supervisor_pid
         h["magic"] = MAGIC  # last: attachers check it
@@ -183,21 +201,26 @@ class ControlBlock:
 
     @classmethod
     def attach(cls, namespace: str, model: str, readonly: bool = True) -> "ControlBlock":
-        seg = Segment(ctl_path(namespace, model), readonly=readonly)
+        seg = Segment.attach(ctl_path(namespace, model), readonly=readonly)
         head = seg.ndarray(0, HEADER, (1,))[0]
         magic, version = int(head["magic"]), int(head["version"])
-        max_slots, model_num = int(head["max_slots"]), int(head["model_num"])
+        held, model_num = int(head["held_cap"]), int(head["model_num"])
         del head
         if magic != MAGIC or version != VERSION or not (
-                0 < max_slots <= 65536 and 0 < model_num <= 4096
-                and seg.size >= cls.size(max_slots, model_num)):
+                0 < held <= 2**20 and 0 < model_num <= 4096 and seg.size >= cls.size(held, model_num)):
             seg.close()
             raise RuntimeError(f"{seg.path} is not a simpledbi v{VERSION} control block")
-        return cls(seg, max_slots, model_num)
+        return cls(seg, held, model_num)
 
     @property
     def max_slots(self) -> int:
-        return self.claims.shape[0]
+        """ModelConfig.max_clients: client slots one model process maps at most."""
+        return int(self.hdr["max_slots"])
+
+    @property
+    def held_cap(self) -> int:
+        """HELD rows per instance: the most requests one model process holds."""
+        return self.held.shape[1]
 
     @property
     def model_num(self) -> int:
@@ -272,77 +295,24 @@ class ControlBlock:
         self.seg.close()
 
 
-# ---------------------------------------------------------------- slot table (<m>.table)
-# slot states (hints written by the slot's client; see NOTE [slot protocol] in slots.py)
-FREE, IDLE, PUBLISHED, NEW = 0, 1, 2, 3
-SLOT = np.dtype([
-    ("seq", "<i8"), ("rows", "<i8"), ("key", "<i8"), ("token", "<u8"), ("t_publish", "<f8"),
-])
-
-
-class SlotTable:
-    """The client-writable table of hints: one SLOT row per slot index, then every slot's state
-    in one contiguous int64 column (a model process scans it for each batch: a strided column
-    of 512 rows cost two 5-10 us numpy passes, the contiguous one a fraction of that)."""
-
-    def __init__(self, seg: Segment, max_slots: int):
-        self.seg = seg
-        self.rows = seg.ndarray(0, SLOT, (max_slots,))
-        self.state = seg.ndarray(self.state_offset(max_slots), np.int64, (max_slots,))
-        # column views, made once: the hot paths index them directly
-        self.seq, self.nrows = self.rows["seq"], self.rows["rows"]
-        self.key, self.token, self.t_publish = self.rows["key"], self.rows["token"], self.rows["t_publish"]
-        # the same rows as raw bytes, for struct.pack_into (a client writes its row in one call)
-        self.raw = words(self.rows, "B")
-
-    @staticmethod
-    def state_offset(max_slots: int) -> int:
-        return align(max_slots * SLOT.itemsize, 64)
-
-    @classmethod
-    def size(cls, max_slots: int) -> int:
-        return cls.state_offset(max_slots) + align(max_slots * 8, 64)
-
-    @classmethod
-    def create(cls, namespace: str, model: str, max_slots: int) -> "SlotTable":
-        return cls(Segment(table_path(namespace, model), cls.size(max_slots), create=True), max_slots)
-
-    @classmethod
-    def attach(cls, namespace: str, model: str, max_slots: int) -> "SlotTable":
-        seg = Segment(table_path(namespace, model))
-        if seg.size < cls.size(max_slots):
-            seg.close()
-            raise RuntimeError(f"{seg.path} is smaller than its control block says")
-        return cls(seg, max_slots)
-
-    def close(self) -> None:
-        if self.raw is not None:
-            self.raw.release()
-        self.rows = self.state = self.seq = self.nrows = self.key = self.token = self.t_publish = None
-        self.raw = None
-        self.seg.close()
-
-
-# ---------------------------------------------------------------- slot segment (<m>.s<i>.<tok>)
-# Written by the client before publishing; read by a model process with one pread into private
-# memory, then validated field by field. ``flags``: 0 for positional inputs; else a mask of the
-# model's declared input names (bit j: name j) -- the inputs are those names, in ascending j.
-REQUEST = np.dtype([
-    ("magic", "<u8"), ("slot", "<i8"), ("token", "<u8"), ("seq", "<i8"), ("rows", "<i8"),
-    ("n_in", "<i8"), ("flags", "<i8"), ("out_offset", "<i8"), ("t_publish", "<f8"),
-    ("dtype", "<i8", (MAX_IO,)), ("ndim", "<i8", (MAX_IO,)), ("offset", "<i8", (MAX_IO,)),
-    ("dims", "<i8", (MAX_IO, MAX_NDIM)),
-])
-# Written by the model process with pwrite; RESP_SEQ is written after it, last of all. A dict or
-# namedtuple answer's keys follow the header, at NAMES_OFF (``names_len`` bytes, encode_names).
+# ---------------------------------------------------------------- client slot (a sealed memfd)
+# Byte offsets in a client's slot. The client writes SEG_MAGIC and its token once, inputs and
+# PUB_SEQ per request; model processes write the claim words, the response and RESP_SEQ (last).
+SEG_MAGIC_OFF, SEG_TOKEN_OFF = 0, 8
+TICKET_OFF, DONE_OFF = 64, 128     # 4-byte words (futex.py): the request's claim ticket, "answered"
+PUB_SEQ_OFF = 192                  # the seq of the request the client published last
+CLOSED_OFF = 200                   # 1 once the client detached (model processes drop the slot)
+CLAIM_OFF = 256                    # (instance, pid, seq) of the model process that took a request
+# Written by the model process; RESP_SEQ is written after it, last of all. A dict or namedtuple
+# answer's keys follow the header, at NAMES_OFF (``names_len`` bytes, encode_names).
 RESPONSE = np.dtype([
     ("status", "<i8"), ("n_out", "<i8"), ("structure", "<i8"), ("names_len", "<i8"), ("err_len", "<i8"),
     ("claimer", "<i8"), ("batch_rows", "<i8"), ("needed", "<i8"), ("t_close", "<f8"),
     ("t_done", "<f8"), ("dtype", "<i8", (MAX_IO,)), ("ndim", "<i8", (MAX_IO,)),
     ("offset", "<i8", (MAX_IO,)), ("dims", "<i8", (MAX_IO, MAX_NDIM + 1)),
 ])
-REQ_OFF, RESP_OFF, RESP_SEQ_OFF = 0, 1024, 4088
-NAMES_OFF = RESP_OFF + RESPONSE.itemsize      # right after the header: one pwrite writes both
+RESP_OFF, RESP_SEQ_OFF = 1024, 4088
+NAMES_OFF = RESP_OFF + RESPONSE.itemsize      # right after the header: one write writes both
 NAMES_BYTES = RESP_SEQ_OFF - NAMES_OFF
 
 
@@ -353,14 +323,28 @@ def _word_index(dtype: np.dtype) -> dict:
     return {n: dtype.fields[n][1] // 8 for n in dtype.names}
 
 
-REQ_WORD = _word_index(REQUEST)
+# ---------------------------------------------------------------- the request datagram
+# One datagram per request, sent to ``<m>.sock``: REQ_PREFIX, then its *layout* (what stays the
+# same while a client sends alike requests: model processes validate a layout once and keep it):
+# out_offset, flags, n_in, then per input dtype code, ndim, offset in the slot and the item dims
+# (all int64). ``flags``: 0 for positional inputs; else a mask of the model's declared input
+# names (bit j: name j) -- the inputs are those names, in ascending j. ``fd``: the client's
+# descriptor of its slot (a model process opens /proc/<sender pid>/fd/<fd> once: the pid is
+# the kernel's word); a client that cannot be opened that way sends the descriptor itself.
+REQ_MAGIC = 0x5344_4232        # "SDB2": a request
+WAKE_MAGIC = 0x5344_4257       # "SDBW": from the runtime itself: look at the model's state
+REQ_PREFIX = struct.Struct("<IiQqqdd")   # magic, fd, token, seq, rows, t_publish, deadline
+LAYOUT_HEAD = struct.Struct("<qqq")      # out_offset, flags, n_in
+INPUT_HEAD = struct.Struct("<qqq")       # dtype code, ndim, offset
+MAX_DATAGRAM = REQ_PREFIX.size + LAYOUT_HEAD.size + MAX_IO * (INPUT_HEAD.size + 8 * MAX_NDIM)
+
 RESP_WORD = _word_index(RESPONSE)
 ERR_OFF, ERR_BYTES = 4096, 8192
 DATA_OFFSET = ERR_OFF + ERR_BYTES
-assert REQUEST.itemsize <= RESP_OFF and NAMES_BYTES >= 2048 and RESP_SEQ_OFF + 8 <= ERR_OFF
+assert NAMES_BYTES >= 2048 and RESP_SEQ_OFF + 8 <= ERR_OFF
 
 # response status
-ST_OK, ST_MODEL_ERROR, ST_BAD_REQUEST, ST_STOPPED, ST_INTERNAL = 0, 1, 2, 3, 4
+ST_OK, ST_MODEL_ERROR, ST_BAD_REQUEST, ST_STOPPED, ST_INTERNAL, ST_DIED, ST_FULL = 0, 1, 2, 3, 4, 5, 6
 # output structure: a tensor, a tuple (or list), a dict (keys in the names), a namedtuple (type
 # name and fields in the names)
 OUT_TENSOR, OUT_TUPLE, OUT_DICT, OUT_NAMEDTUPLE = 0, 1, 2, 3
@@ -384,21 +368,5 @@ def ctl_path(namespace: str, model: str) -> str:
     return ns_path(namespace, f"{model}.ctl")
 
 
-def table_path(namespace: str, model: str) -> str:
-    return ns_path(namespace, f"{model}.table")
-
-
-def lock_path(namespace: str, model: str, slot: int) -> str:
-    return ns_path(namespace, f"{model}.s{slot}.lock")
-
-
-def segment_path(namespace: str, model: str, slot: int, token: int) -> str:
-    return ns_path(namespace, f"{model}.s{slot}.{token:016x}")
-
-
-def doorbell_name(namespace: str, model: str) -> str:
-    return f"/{namespace}.{model}.door"
-
-
-def sem_name(namespace: str, model: str, slot: int, token: int, which: str) -> str:
-    return f"/{namespace}.{model}.s{slot}.{token:016x}.{which}"
+def socket_path(namespace: str, model: str) -> str:
+    return ns_path(namespace, f"{model}.sock")

@@ -2,7 +2,7 @@
 
 Process tree of one run::
 
-    main (Run / Runtime)                 supervisor thread: restarts, reaping (this module)
+    main (Run / Runtime)                 supervisor thread: restarts (this module)
      +-- janitor                        cleans /dev/shm if main dies (janitor.py)
      +-- (nvidia-cuda-mps-control -d)   a private CUDA MPS daemon, when wanted (mps.py)
      +-- model "a" instance 0..n-1       model_process.py
@@ -12,14 +12,14 @@ Process tree of one run::
 The supervisor thread blocks in ``multiprocessing.connection.wait`` on every model process's
 sentinel, so a death is seen within milliseconds without polling. A dead model process is
 restarted with bounded exponential back-off while the other instances keep serving; the callers
-whose requests it had claimed get ``ModelProcessDied`` at once (their ``don`` is posted); after
-``ModelConfig.max_restarts`` failures within ``restart_window`` seconds the model is marked
-broken and every caller gets ``ModelProcessDied`` with the reason. ``Run`` and ``Runtime`` behave
-the same; ``Run`` raises only once a model is broken. Every ``poll_interval`` the thread also
-reaps the slots of clients that died (their slot lock is free, see NOTE [slot protocol]).
-Shutdown is ordered and idempotent: refuse new requests -> stop workers -> wake and stop model
-processes -> join with timeout -> terminate -> kill -> fail what is left -> close views -> remove
-the namespace.
+whose requests it held get ``ModelProcessDied`` at once (the supervisor answers them, from the
+process's HELD rows in the control block); after ``ModelConfig.max_restarts`` failures within
+``restart_window`` seconds the model is marked broken and every caller gets
+``ModelProcessDied`` with the reason. ``Run`` and ``Runtime`` behave the same; ``Run`` raises
+only once a model is broken. Clients need no reaping: a client's slot is a memfd of its own,
+gone with it. Shutdown is ordered and idempotent: refuse new requests -> stop workers -> wake and
+stop model processes -> join with timeout -> terminate -> kill -> answer what is left queued ->
+close views -> remove the namespace.
 """
 from __future__ import annotations
 
@@ -31,6 +31,7 @@ import logging
 import multiprocessing as mp
 import os
 import signal
+import socket
 import threading
 import time
 import weakref
@@ -44,17 +45,13 @@ from .errors import ModelError, ModelProcessDied, RuntimeStopped, WorkerError
 from .interrupts import children_deaf_to_ctrl_c
 from .janitor import janitor_main
 from .logs import LogRelay
+from .intake import answer_queued, answer_held, wake_datagram
 from .layout import (
-    BROKEN, DRAINING, INST_DEAD, INST_LOADING, INST_RESTARTING, INST_RETIRING, PUBLISHED, RUNNING, STOPPING, ControlBlock, SlotTable,
-    doorbell_name, sem_name,
+    BROKEN, DRAINING, INST_DEAD, INST_LOADING, INST_RESTARTING, INST_RETIRING, RUNNING, ST_DIED,
+    ST_STOPPED, STOPPING, ControlBlock, socket_path,
 )
 from .model_process import ModelProcessSpec, model_process_main
-from .shm import (
-    check_free_space, create_semaphore, new_namespace, sweep_dead_namespaces,
-    sweep_namespace,
-)
-from .foreign_sem import ForeignSemaphore
-from .slots import reap_dead
+from .shm import new_namespace, sweep_dead_namespaces, sweep_namespace
 from .worker import worker_main
 
 logger = logging.getLogger(__name__)
@@ -69,7 +66,7 @@ class _ModelProc:
         self.exit_handled = False
         self.retiring = False    # replaced by a rolling reload: its exit is expected
 
-    def describe(self) -> str:
+    def describe(self, model: bool = True) -> str:
         code = self.proc.exitcode
         how = f"exit code {code}"
         if code is not None and code < 0:
@@ -77,7 +74,8 @@ class _ModelProc:
                 how += f" ({signal.Signals(-code).name})"
             except ValueError:
                 pass
-        return f"model {self.cfg.name!r} process {self.instance} (pid {self.proc.pid}) died with {how}"
+        who = f"model {self.cfg.name!r} process" if model else "model process"
+        return f"{who} {self.instance} (pid {self.proc.pid}) died with {how}"
 
 
 class Runtime:
@@ -106,8 +104,8 @@ class Runtime:
         self.ctx = mp.get_context(start_method)
         self.namespace: Optional[str] = None
         self.ctls: Dict[str, ControlBlock] = {}
-        self.tables: Dict[str, SlotTable] = {}
-        self.doorbells: Dict[str, Any] = {}
+        self.sockets: Dict[str, socket.socket] = {}   # each model's request socket (model_process.py)
+        self._waker: Optional[socket.socket] = None   # sends the runtime's wake-up datagrams
         self.instances: Dict[Tuple[str, int], _ModelProc] = {}   # current incarnations
         self.worker_procs: Dict[int, Any] = {}
         self._cpu_procs = 1
@@ -123,7 +121,6 @@ class Runtime:
         self._wake_r, self._wake_w = None, None
         self._failures: Dict[str, collections.deque] = {m.name: collections.deque() for m in models}
         self._restart_at: Dict[Tuple[str, int], float] = {}
-        self._reap_failed = False   # a reaping error was logged (once)
         self._at_exit: Optional[Callable[[], None]] = None   # shutdown at interpreter exit (start)
         self._retired: List[_ModelProc] = []        # replaced by a reload, maybe still finishing
         self._loading: List[_ModelProc] = []        # a reload's new processes, before the switch
@@ -162,14 +159,17 @@ class Runtime:
                 self._registration = naming.register(self.name, self.namespace,
                                                      [m.name for m in self.models])
             self.mps = mps.start_for(self.options.mps, self.models, self._adopt_mps_daemon)
+            self._waker = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
             for cfg in self.models:
-                size = ControlBlock.size(cfg.max_clients, cfg.model_num) + SlotTable.size(cfg.max_clients)
-                check_free_space(size, f"model {cfg.name!r}")
                 self.ctls[cfg.name] = ControlBlock.create(
-                    self.namespace, cfg.name, cfg.max_clients, cfg.model_num, cfg.max_batch_size,
-                    cfg.wait_time, os.getpid())
-                self.tables[cfg.name] = SlotTable.create(self.namespace, cfg.name, cfg.max_clients)
-                self.doorbells[cfg.name] = create_semaphore(doorbell_name(self.namespace, cfg.name))
+                    self.namespace, cfg.name, cfg.model_num, cfg.max_batch_size, cfg.wait_time,
+                    os.getpid(), cfg.max_clients)
+                self._tell_janitor("ctl", cfg.name)   # it marks the model stopping if we die
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+                self.sockets[cfg.name] = sock
+                sock.bind(socket_path(self.namespace, cfg.name))
+                # Every datagram says which process sent it: the kernel's word (intake.py)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
             self._cpu_procs = sum(m.model_num for m in self.models
                                   if any(d in ("cpu", "auto") for d in m.device))
             for cfg in self.models:
@@ -230,7 +230,7 @@ class Runtime:
         spec = ModelProcessSpec(self.namespace, cfg, row, self.options, os.getpid(), self._cpu_procs,
                                 self.mps.env, log_w, logging.getLogger("simpledbi").getEffectiveLevel(),
                                 standby)
-        proc = self.ctx.Process(target=model_process_main, args=(spec, child_end),
+        proc = self.ctx.Process(target=model_process_main, args=(spec, child_end, self.sockets[cfg.name]),
                                 name=f"simpledbi-{cfg.name}-{instance}", daemon=False)
         try:
             with children_deaf_to_ctrl_c():   # NOTE [Ctrl-C and children]
@@ -292,26 +292,17 @@ class Runtime:
 
     # ------------------------------------------------------------ supervision
     def _supervise_models(self) -> None:
-        """The supervisor thread: restarts, broken models, dead clients. Never raises."""
-        next_reap = time.monotonic()
+        """The supervisor thread: restarts and broken models. Never raises."""
         while not self._stop.is_set():
             try:
                 now = time.monotonic()
-                if now >= next_reap:
-                    next_reap = now + self.options.poll_interval
-                    try:   # whatever a client left behind, watching the model processes goes on
-                        self.reap_dead_clients()
-                    except Exception:  # noqa: BLE001
-                        if not self._reap_failed:
-                            self._reap_failed = True
-                            logger.exception("simpledbi supervisor: reaping dead clients failed "
-                                             "(logged once)")
                 with self._lifecycle_lock:
                     for key, at in list(self._restart_at.items()):
                         if at <= now and not self._stop.is_set():
                             del self._restart_at[key]
                             self._restart(*key)
-                timeout = max(0.0, min([next_reap] + list(self._restart_at.values())) - time.monotonic())
+                timeout = max(0.0, min(self._restart_at.values()) - time.monotonic()) \
+                    if self._restart_at else None
                 watch = {self._wake_r: None}
                 for m in list(self.instances.values()) + list(self._retired):  # not a reload's
                     # new processes before the switch: the reload reads their load reports
@@ -362,7 +353,7 @@ class Runtime:
             except OSError:
                 pass
         ctl.all_instances[m.row]["free"] = 0  # a dead process is not an idle peer
-        self._wake_claimed_by(name, m.proc.pid)
+        self._answer_held(name, m)
         self._tell_janitor("gone", m.proc.pid)  # never signal a pid the system may reuse
         if m.retiring:
             if m.proc.exitcode:
@@ -397,46 +388,27 @@ class Runtime:
     def _mark_broken(self, name: str, why: str, code: int) -> None:
         self.broken[name] = why
         self.ctls[name].set_state(BROKEN, why, code)
-        self._wake_waiters(name)
+        answer_queued(self.sockets[name], ST_DIED, why)   # callers whose requests wait learn now
 
-    def _wake_claimed_by(self, name: str, pid: int) -> None:
-        """Post ``don`` of every slot whose request the dead process ``pid`` had claimed: its
-        client wakes, sees the claimer dead and raises ModelProcessDied at once."""
-        ctl, table = self.ctls[name], self.tables[name]
-        claims = ctl.claims
-        for slot in map(int, (claims["pid"] == pid).nonzero()[0]):
-            token = int(claims["token"][slot])
-            if token and int(table.token[slot]) == token:
-                self._post_done(name, slot, token)
+    def _answer_held(self, name: str, m: _ModelProc) -> None:
+        """Answer every request the dead process ``m`` held (its HELD rows in the control
+        block) with ModelProcessDied: its callers learn at once."""
+        ctl = self.ctls[name]
+        n = answer_held(ctl, m.row, m.proc.pid, ST_DIED,
+                        f"{m.describe(model=False)} while computing this request (it may or may not "
+                        f"have run)")
+        ctl.all_instances[m.row]["held"] = 0
+        if n:
+            logger.debug("answered %d request(s) that %s held", n, m.describe())
 
-    def _wake_waiters(self, name: str) -> None:
-        """Post ``don`` of every attached slot, so waiting clients read the model's state."""
-        table = self.tables[name]
-        for slot in map(int, (table.state != 0).nonzero()[0]):
-            self._post_done(name, slot, int(table.token[slot]))
-
-    def _post_done(self, name: str, slot: int, token: int) -> None:
-        # Through the kernel only: a client that truncated its semaphore must not make a SIGBUS
-        # in the supervisor (foreign_sem).
-        try:
-            sem = ForeignSemaphore(sem_name(self.namespace, name, slot, token, "don"))
-        except Exception:  # noqa: BLE001 - the client is gone
-            return
-        try:
-            sem.post()
-        finally:
-            sem.close()
-
-    def reap_dead_clients(self) -> int:
-        """Free the slots (and shared memory) of clients that died without detaching."""
-        reaped = 0
-        for name, table in self.tables.items():
-            for slot in reap_dead(self.namespace, name, table):
-                reaped += 1
-                self.doorbells[name].release()  # a batch may be waiting for this client
-                logger.info("freed slot %d of model %r: its process exited without closing it",
-                            slot, name)
-        return reaped
+    def _wake_model_processes(self, name: str, n: int) -> None:
+        """Wake up to ``n`` model processes of ``name`` sleeping on the socket (each datagram wakes
+        one): they look at the model's state (stopping, a reload's switch)."""
+        for _ in range(n):
+            try:
+                self._waker.sendto(wake_datagram(), socket.MSG_DONTWAIT, socket_path(self.namespace, name))
+            except OSError:
+                return   # its queue is full: those processes are awake anyway
 
     # ------------------------------------------------------------ rolling reload
     def reload(self, model: str, path: Optional[str] = None, timeout: float = 60.0) -> ModelConfig:
@@ -504,8 +476,7 @@ class Runtime:
                 for m in old:
                     m.retiring = True
                     self._retire(ctl, m)
-            for _ in range(2 * n):
-                self.doorbells[model].release()  # sleepers look again; old ones see they retire
+            self._wake_model_processes(model, 2 * n)   # old ones see they retire
             logger.info("model %r reloaded%s: %d new process(es) serve; the old ones finish what "
                         "they took", model, f" from {path}" if path else "", n)
             deadline = time.monotonic() + timeout
@@ -622,31 +593,28 @@ class Runtime:
                 ctl.set_state(DRAINING)
         logger.info("draining: new requests are refused; finishing %d accepted (up to %.0f s)",
                     self.unanswered(), timeout)
-        start = time.monotonic()
-        deadline = start + timeout
-        # Requests published but not claimed are client-written hints: a forged row must not
-        # hold the drain, so they count only while a model process could still be taking them.
-        grace = start + 2 * self.options.poll_interval + 0.5
+        deadline = time.monotonic() + timeout
         while True:
-            pending = self.unanswered(unclaimed=time.monotonic() < grace)
+            pending = self.unanswered()
             alive = any(m.proc.is_alive() for m in self.model_procs if not m.exit_handled)
             if not pending or not alive or time.monotonic() >= deadline:
                 if pending:
                     logger.warning("drain: %d request(s) still unanswered after %.1f s", pending,
                                    min(timeout, time.monotonic() - deadline + timeout))
                 return not pending
-            time.sleep(0.01)  # shutdown only: a short poll of the table, not a hot path
+            time.sleep(0.01)  # shutdown only: a short poll of the counts, not a hot path
 
-    def unanswered(self, unclaimed: bool = True) -> int:
-        """Requests a model process took and has not answered, plus (``unclaimed``) those
-        published per their clients' rows and not taken yet, over all models."""
+    def unanswered(self) -> int:
+        """Requests model processes hold unanswered, plus one per model whose socket still has a
+        request queued (a datagram's count is not known without taking it), over all models."""
         n = 0
-        for name, table in self.tables.items():
-            claims = self.ctls[name].claims
-            seq, done = claims["seq"], claims["done"]
-            n += int(((claims["token"] == table.token) & (table.state != 0) & (seq > done)).sum())
-            if unclaimed:
-                n += int(((table.state == PUBLISHED) & (seq != table.seq) & (done != table.seq)).sum())
+        for name, ctl in self.ctls.items():
+            n += int(ctl.all_instances["held"].sum())
+            try:
+                self.sockets[name].recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+                n += 1
+            except OSError:
+                pass
         return n
 
     def _unregister(self) -> None:
@@ -675,12 +643,14 @@ class Runtime:
         finally:
             if self._logs is not None:
                 self._logs.close()
+            for name, sock in self.sockets.items():
+                answer_queued(sock, ST_STOPPED, f"model {name!r}: the runtime stopped before any "
+                              f"model process took this request")
+                sock.close()
+            if self._waker is not None:
+                self._waker.close()
             for ctl in self.ctls.values():
                 ctl.close()
-            for table in self.tables.values():
-                table.close()
-            for sem in self.doorbells.values():
-                sem.close()
             for fd in (self._wake_r, self._wake_w):
                 if fd is not None:
                     os.close(fd)
@@ -705,8 +675,7 @@ class Runtime:
         for name, ctl in self.ctls.items():
             if ctl.state != BROKEN:
                 ctl.set_state(STOPPING)
-            for _ in range(len(self.model_procs) + 1):
-                self.doorbells[name].release()
+            self._wake_model_processes(name, len(self.model_procs) + 1)
         for proc in self.worker_procs.values():
             if proc.is_alive():
                 proc.terminate()
@@ -715,8 +684,6 @@ class Runtime:
             if proc.is_alive():
                 proc.kill()
                 proc.join()
-        for name in self.tables:
-            self._wake_waiters(name)
         with self._lifecycle_lock:  # a reload thread adds or drops processes only under it
             procs = self.model_procs
         deadline = time.monotonic() + self.options.join_timeout

@@ -1,25 +1,30 @@
 """Where a run's shared objects live, and how they are created, mapped and removed.
 
-Every run owns a *namespace* ``sdbi_<owner pid>_<128 random bits>``:
+Every run owns a *namespace* ``sdbi_<owner pid>_<128 random bits>``: a directory
+``/dev/shm/<namespace>/`` created with ``mkdir(0o700)``, so other users can neither list, open,
+create nor squat anything inside. It holds only names: each model's request socket
+(``<m>.sock``) and a link to its control block (``<m>.ctl``); ``simpledbi serve`` adds its
+command socket. There are no named semaphores and no named segments.
 
-* a directory ``/dev/shm/<namespace>/`` created with ``mkdir(0o700)``: control blocks, slot tables,
-  slot lock files and client slot segments are plain files in it. Other users can neither list,
-  read, create nor squat anything inside; only the owner user can open it.
-* POSIX semaphores ``/dev/shm/sem.<namespace>.*`` (``posix_ipc``: a semaphore name cannot hold a
-  directory). The doorbell exists from start; every per-slot semaphore carries a 64-bit random
-  token drawn at attach, so no other user can create one before its client does.
+Shared memory is a *memfd* sealed against shrinking (``F_SEAL_SHRINK``): the kernel refuses to
+truncate it, to anyone, so a mapping of it can never SIGBUS -- the reason no process of a
+runtime has to distrust the size of memory another process hands it. A control block is one
+of the runtime's main process, reached by others through ``<ns>/<m>.ctl``, a symlink to
+``/proc/<main pid>/fd/<n>`` (opening it opens the memfd itself; only the same user may). A
+client's slot is a memfd of the client's, reached the same way (slots.py). Nothing is unlinked:
+a memfd goes when its last descriptor and mapping do.
 
-Why files in a directory and not ``posix_ipc.SharedMemory`` or ``multiprocessing.shared_memory``:
-``shm_open`` is ``open`` on /dev/shm, but cannot use a private directory; and before Python 3.13
-``SharedMemory`` registers every *attach* with ``resource_tracker``, which unlinks the segment and
-warns "leaked shared_memory" when the attaching process exits (CPython #82300/#104291).
+Why not ``multiprocessing.shared_memory``: before Python 3.13 it registers every *attach* with
+``resource_tracker``, which unlinks the segment and warns "leaked shared_memory" when the
+attaching process exits (CPython #82300/#104291); and it cannot be sealed.
 
-Only the creator unlinks; :func:`sweep_namespace` removes whatever a crashed run left, and
-:func:`sweep_dead_namespaces` finds namespaces whose owner process is gone.
+:func:`sweep_namespace` removes a run's directory; :func:`sweep_dead_namespaces` finds
+namespaces whose owner process is gone.
 """
 from __future__ import annotations
 
 import errno
+import fcntl
 import logging
 import mmap
 import os
@@ -30,7 +35,6 @@ import time
 from typing import List, Optional, Tuple
 
 import numpy as np
-import posix_ipc
 
 logger = logging.getLogger(__name__)
 
@@ -69,57 +73,53 @@ def check_free_space(nbytes: int, what: str, shm_dir: str = SHM_DIR) -> None:
             f"{free / 2**20:.1f} MiB free (in Docker, raise --shm-size)")
 
 
+SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL
+
+
 class Segment:
-    """One mapped shared-memory file. ``create`` makes it exclusively (mode 0600) and reserves
-    its pages -- or only the first ``reserve`` bytes: the rest stays sparse until :meth:`reserve`
-    (writing an unreserved page of a full tmpfs through the mapping is a SIGBUS);
-    ``readonly`` maps it without write access (what clients do with control blocks).
+    """One mapped, sealed memfd. :meth:`create_memfd` makes one (and optionally a symlink to it
+    at ``link``, for other processes to open); :meth:`attach` opens one by such a path (or a
+    ``/proc/<pid>/fd/<n>`` path), refusing anything that is not a memfd sealed against
+    shrinking; ``readonly`` maps it without write access (what clients do with control blocks).
 
     Views made with :meth:`ndarray` keep the mapping exported; drop them before :meth:`close`.
     """
 
-    def __init__(self, path: str, size: int = 0, create: bool = False, readonly: bool = False,
-                 keep_fd: bool = False, reserve: Optional[int] = None):
-        self.path = path
+    def __init__(self, fd: int, size: int, path: str = "", readonly: bool = False):
+        self.fd: Optional[int] = fd
         self.size = int(size)
-        self.owner = create
-        self.fd: Optional[int] = None
-        self._mmap: Optional[mmap.mmap] = None
-        if create:
-            reserve = self.size if reserve is None else min(reserve, self.size)
-            check_free_space(reserve, f"segment {os.path.basename(path)}")
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC, 0o600)
-            try:
-                if reserve < self.size:
-                    os.ftruncate(fd, self.size)
-                _reserve(fd, reserve, path)
-                self._mmap = mmap.mmap(fd, self.size)
-            except BaseException:
-                os.close(fd)
-                _unlink(path)
-                raise
-        else:
-            # Any client may put something else at a path of the namespace: never follow a
-            # symlink, never block opening a FIFO, and map only a non-empty regular file.
-            fd = os.open(path, (os.O_RDONLY if readonly else os.O_RDWR) | os.O_CLOEXEC | os.O_NOFOLLOW
-                         | os.O_NONBLOCK)
-            try:
-                st = os.fstat(fd)
-                if not stat.S_ISREG(st.st_mode):
-                    raise OSError(errno.EINVAL, f"{path} is not a regular file")
-                if self.size <= 0:
-                    self.size = st.st_size
-                if self.size <= 0:
-                    raise OSError(errno.EINVAL, f"{path} is empty")
-                self._mmap = mmap.mmap(fd, self.size, access=mmap.ACCESS_READ if readonly
-                                       else mmap.ACCESS_WRITE)
-            except BaseException:
-                os.close(fd)
-                raise
-        if keep_fd:
-            self.fd = fd
-        else:
+        self.path = path
+        self.readonly = readonly
+        self._mmap: Optional[mmap.mmap] = mmap.mmap(
+            fd, self.size, access=mmap.ACCESS_READ if readonly else mmap.ACCESS_WRITE)
+
+    @classmethod
+    def create_memfd(cls, name: str, size: int, link: Optional[str] = None,
+                     grow: bool = False) -> "Segment":
+        """A fresh memfd of ``size`` bytes, sealed against shrinking (and against growing unless
+        ``grow``: a client slot grows when outputs outgrow it)."""
+        fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(fd, size)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS if grow else SEALS | fcntl.F_SEAL_GROW)
+            seg = cls(fd, size, link or f"memfd:{name}")
+            if link is not None:
+                os.symlink(f"/proc/{os.getpid()}/fd/{fd}", link)
+        except BaseException:
             os.close(fd)
+            raise
+        return seg
+
+    @classmethod
+    def attach(cls, path: str, readonly: bool = True, size: int = 0) -> "Segment":
+        """Map the memfd at ``path`` (a symlink to a /proc fd path); ``size`` 0: all of it."""
+        fd = os.open(path, (os.O_RDONLY if readonly else os.O_RDWR) | os.O_CLOEXEC | os.O_NONBLOCK)
+        try:
+            size = size or check_sealed(fd, path)
+            return cls(fd, size, path, readonly)
+        except BaseException:
+            os.close(fd)
+            raise
 
     @property
     def buf(self) -> mmap.mmap:
@@ -132,24 +132,16 @@ class Segment:
         count = int(np.prod(shape, dtype=np.int64)) if len(shape) else 1
         return np.frombuffer(self.buf, dtype=dtype, count=count, offset=offset).reshape(shape)
 
-    def reserve(self, offset: int, nbytes: int) -> None:
-        """Reserve the pages of ``[offset, offset + nbytes)`` before writing them through the
-        mapping (creator only): a full /dev/shm then raises OSError here, not SIGBUS later."""
-        check_free_space(nbytes, f"segment {os.path.basename(self.path)}")
-        _reserve(self.fd, offset + nbytes, self.path, offset)
-
     def grow(self, size: int) -> None:
-        """Extend the file (creator only) and remap it; views made before must be dropped first."""
-        if size <= self.size:
-            return
-        check_free_space(size - self.size, f"segment {os.path.basename(self.path)}")
-        _reserve(self.fd, size, self.path)
-        self._replace_mapping(size)
+        """Extend the memfd (a client slot) and remap it; views made before must be dropped."""
+        if size > self.size:
+            os.ftruncate(self.fd, size)
+            self._replace_mapping(size)
 
     def remap(self) -> None:
-        """Map the file at its current size (after another process extended it)."""
+        """Map the memfd at its current size (after another process extended it)."""
         size = os.fstat(self.fd).st_size
-        if size != self.size:
+        if size > self.size:
             self._replace_mapping(size)
 
     def _replace_mapping(self, size: int) -> None:
@@ -157,7 +149,8 @@ class Segment:
             self._mmap.close()
         except BufferError:
             pass  # someone still holds a view of the old mapping: it lives until they drop it
-        self._mmap = mmap.mmap(self.fd, size)
+        self._mmap = mmap.mmap(self.fd, size, access=mmap.ACCESS_READ if self.readonly
+                               else mmap.ACCESS_WRITE)
         self.size = size
 
     def close(self) -> None:
@@ -172,22 +165,20 @@ class Segment:
             os.close(self.fd)
             self.fd = None
 
-    def unlink(self) -> None:
-        _unlink(self.path)
 
-
-def _reserve(fd: int, size: int, path: str, start: int = 0) -> None:
+def check_sealed(fd: int, what: str) -> int:
+    """The size of the memfd open at ``fd`` -- after checking that it is one and that nobody can
+    shrink it (else OSError): a mapping of it can then never SIGBUS."""
     try:
-        # Reserve the pages now: an over-committed tmpfs otherwise kills us with SIGBUS on
-        # first touch, far from the cause.
-        os.posix_fallocate(fd, start, size - start)
-    except OSError as e:
-        if e.errno in (errno.EOPNOTSUPP, errno.EINVAL):
-            if os.fstat(fd).st_size < size:
-                os.ftruncate(fd, size)
-        else:
-            raise OSError(e.errno, f"cannot reserve {(size - start) / 2**20:.1f} MiB for {path}: "
-                          f"{e.strerror}") from None
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError:
+        seals = 0
+    if seals & fcntl.F_SEAL_SHRINK == 0:
+        raise OSError(errno.EINVAL, f"{what} is not a sealed simpledbi memfd")
+    size = os.fstat(fd).st_size
+    if size <= 0:
+        raise OSError(errno.EINVAL, f"{what} is empty")
+    return size
 
 
 def _unlink(path: str) -> None:
@@ -201,17 +192,6 @@ def unlink_file(path: str, trash: Optional[str] = None) -> None:
     """Remove what is at ``path`` in O(1), whatever a client put there. Never raises: cleanup
     must go on. See :func:`discard`."""
     discard(path, trash)
-
-
-def unlink_sem(name: str) -> None:
-    """Unlink semaphore ``name`` (or whatever a client put at its path). Never raises."""
-    try:
-        posix_ipc.unlink_semaphore(name)
-    except (posix_ipc.ExistentialError, posix_ipc.PermissionsError):
-        pass  # gone already, or another user's
-    except (posix_ipc.Error, OSError):   # not a semaphore: set it aside in its namespace
-        base = name.lstrip("/")
-        discard(os.path.join(SHM_DIR, "sem." + base), os.path.join(SHM_DIR, base.split(".", 1)[0]))
 
 
 def _open_parent(path: str) -> Tuple[Optional[int], str]:
@@ -362,33 +342,13 @@ def _empty(top: int, path: str, deadline: float) -> None:
                 break
 
 
-def create_semaphore(name: str, initial: int = 0) -> posix_ipc.Semaphore:
-    return posix_ipc.Semaphore(name, posix_ipc.O_CREX, mode=0o600, initial_value=initial)
-
-
-def open_semaphore(name: str) -> posix_ipc.Semaphore:
-    return posix_ipc.Semaphore(name)
-
-
-def list_namespace(namespace: str, shm_dir: str = SHM_DIR) -> List[str]:
-    """Entries of /dev/shm belonging to ``namespace``: its directory and its semaphores."""
-    try:
-        entries = os.listdir(shm_dir)
-    except OSError:
-        return []
-    return [e for e in entries if e == namespace or e.startswith("sem." + namespace + ".")]
-
-
 def sweep_namespace(namespace: str, shm_dir: str = SHM_DIR) -> int:
-    """Remove the namespace's directory and every semaphore of it; returns how many entries went."""
-    removed = 0
-    for entry in list_namespace(namespace, shm_dir):
-        if entry.startswith("sem."):
-            unlink_sem("/" + entry[4:])
-        else:
-            remove_tree(os.path.join(shm_dir, entry))
-        removed += 1
-    return removed
+    """Remove the namespace's directory; returns 1 if there was one, else 0."""
+    path = os.path.join(shm_dir, namespace)
+    if not os.path.lexists(path):
+        return 0
+    remove_tree(path)
+    return 1
 
 
 def pid_alive(pid: int) -> bool:
@@ -415,9 +375,7 @@ def sweep_dead_namespaces(shm_dir: str = SHM_DIR) -> int:
     except OSError:
         return 0
     spaces = set()
-    for e in entries:
-        base = e[4:] if e.startswith("sem.") else e
-        ns = base.split(".", 1)[0]
+    for ns in entries:
         m = _NS_RE.match(ns)
         if m and not pid_alive(int(m.group(1))):
             spaces.add(ns)

@@ -52,10 +52,9 @@ def summarize(ctl) -> dict:
         "errors": int(c["errors"].sum()),
         "isolated_batches": int(c["isolated"].sum()),
         "bad_requests": int(c["bad_requests"].sum()),
-        # claims that got nothing: a peer process took the request first, its client withdrew
-        # it, holds the slot's claim lock, or a row named a request that does not exist (rows
-        # are hints anyone may write: NOTE [rewritten rows] in model_process.py)
-        "claims_missed": int(c["claims_missed"].sum()),
+        # requests whose caller took them back (timeout, close, a cancelled task) before any
+        # model process got to them: they never reached the model
+        "withdrawn": int(c["withdrawn"].sum()),
         # answered later than ModelConfig.latency_target (0 when no target is set)
         "over_target": int(c["over_target"].sum()),
         "restarts": int(ctl.all_instances["restarts"].sum()),

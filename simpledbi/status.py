@@ -1,9 +1,8 @@
 """Looking inside a running runtime without taking part in it: ``simpledbi.inspect(name)``.
 
-Everything here is read from the models' control blocks (mapped read-only) and slot tables, the
-same memory the model processes write their counters, histograms and per-batch ring into: no
-slot is attached, no request is sent, so it works when every slot is taken and costs the runtime
-nothing. ``simpledbi status`` prints it; the Prometheus collector (metrics.py) exports it.
+Everything here is read from the models' control blocks (mapped read-only), the memory the model
+processes write their counters, histograms and per-batch ring into: no request is sent, so it
+works when every slot is taken and costs the runtime nothing. ``simpledbi status`` prints it; the Prometheus collector (metrics.py) exports it.
 """
 from __future__ import annotations
 
@@ -16,8 +15,8 @@ import numpy as np
 
 from . import naming
 from .layout import (
-    B_FIELDS, FREE, H_COMPUTE, H_LATENCY, H_QUEUE, H_SUM, INST_RETIRING, INST_STATE_NAMES, LAT_BOUNDS, PUBLISHED,
-    STATE_NAMES, ControlBlock, SlotTable,
+    B_FIELDS, H_COMPUTE, H_LATENCY, H_QUEUE, H_SUM, INST_RETIRING, INST_STATE_NAMES, LAT_BOUNDS,
+    STATE_NAMES, ControlBlock,
 )
 from .shm import SHM_DIR, pid_alive
 from .stats import STAGES, batch_records
@@ -73,8 +72,9 @@ class ModelInfo:
     message: str
     max_batch_size: int
     max_clients: int
-    attached_clients: int     # slots attached (a SharedModel holds one per call in flight)
-    queued: int               # requests published and not yet answered
+    attached_clients: int     # client slots a model process maps (a SharedModel holds one per
+                              # call in flight; the most any one process of the model knows)
+    queued: int               # requests model processes took and have not answered yet
     requests: int
     batches: int
     rows: int
@@ -136,15 +136,9 @@ def inspect(runtime: Optional[str] = None, *, namespace: Optional[str] = None) -
         except (OSError, RuntimeError):
             continue  # being created, or the runtime just went away
         try:
-            table = SlotTable.attach(namespace, m, ctl.max_slots)
-        except (OSError, RuntimeError):
-            ctl.close()
-            continue
-        try:
-            models.append(_model_info(m, ctl, table))
+            models.append(_model_info(m, ctl))
             pid = pid or int(ctl.hdr["supervisor_pid"])
         finally:
-            table.close()
             ctl.close()
     return RuntimeInfo(name, namespace, pid, pid_alive(pid), models)
 
@@ -167,7 +161,7 @@ def _listdir(namespace: str) -> List[str]:
         raise LookupError(f"no simpledbi runtime at namespace {namespace!r}") from None
 
 
-def _model_info(name: str, ctl: ControlBlock, table: SlotTable) -> ModelInfo:
+def _model_info(name: str, ctl: ControlBlock) -> ModelInfo:
     inst, c = ctl.all_instances.copy(), ctl.counters.copy()
     instances = []
     active = set(ctl.active_rows())
@@ -181,8 +175,7 @@ def _model_info(name: str, ctl: ControlBlock, table: SlotTable) -> ModelInfo:
             state=INST_STATE_NAMES.get(int(row["state"]), str(int(row["state"]))),
             alive=pid_alive(pid), restarts=int(row["restarts"]), cuda_graphs=int(row["graphs"]),
             requests=int(c["requests"][i]), batches=int(c["batches"][i]), started=float(row["t_start"])))
-    state = table.state.copy()
-    done, seq = ctl.claims["done"].copy(), table.seq.copy()
+    serving = inst[list(active)]
     hist = ctl.hist.sum(axis=0)
     bh = ctl.batch_hist.sum(axis=0)
     recs = batch_records(ctl, since=time.monotonic() - 60.0)
@@ -190,8 +183,8 @@ def _model_info(name: str, ctl: ControlBlock, table: SlotTable) -> ModelInfo:
     return ModelInfo(
         name=name, state=STATE_NAMES.get(ctl.state, str(ctl.state)), message=ctl.message(),
         max_batch_size=int(ctl.hdr["max_batch"]), max_clients=ctl.max_slots,
-        attached_clients=int((state != FREE).sum()),
-        queued=int(((state == PUBLISHED) & (done != seq)).sum()),
+        attached_clients=int(serving["clients"].max()) if len(serving) else 0,
+        queued=int(inst["held"].sum()),
         requests=int(c["requests"].sum()), batches=int(c["batches"].sum()), rows=int(c["rows"].sum()),
         errors=int(c["errors"].sum()), bad_requests=int(c["bad_requests"].sum()),
         over_target=int(c["over_target"].sum()), restarts=int(inst["restarts"].sum()),

@@ -79,6 +79,18 @@ def sem_prefix():
         s.close()
 
 
+def wait_queued(*handles, n: int, timeout: float = 30.0) -> None:
+    """Wait until ``n`` requests of these SharedModels are sent and taken by no model process
+    yet (their slots' tickets are posted): a bounded wait on a shared-memory condition."""
+    import time
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if sum(s.queued() for h in handles for s in list(h._h.busy)) >= n:
+            return
+        threading.Event().wait(0.005)
+    raise AssertionError(f"fewer than {n} requests were queued within {timeout} s")
+
+
 def hammer_affine(model, threads: int, requests: int, max_rows: int, width: int) -> None:
     """``threads`` threads share ``model`` (an Affine model), each sending ``requests`` random
     requests of 1..max_rows rows and checking every answer is exactly its own 2x + 1."""

@@ -11,10 +11,9 @@ import torch
 
 from simpledbi import ModelConfig, ModelError, Runtime, RuntimeStopped, SharedModel
 from simpledbi.errors import RemoteTraceback
-from simpledbi.layout import PUBLISHED
 
 from . import models
-from .conftest import cpu_model
+from .conftest import cpu_model, wait_queued
 
 
 @pytest.fixture
@@ -134,11 +133,7 @@ def test_a_poisoned_batch_fails_only_the_culprit_when_isolating(start_runtime, g
                for i in range(4)]
     for t in threads:
         t.start()
-    state = model._h.table.state
-    deadline = time.monotonic() + 30
-    # five rows PUBLISHED: the gated blocker's (claimed, its answer not read yet) and the four
-    while np.count_nonzero(state == PUBLISHED) < 5 and time.monotonic() < deadline:
-        threading.Event().wait(0.005)  # a bounded wait on a shared-memory condition
+    wait_queued(model, n=4)   # the four, queued behind the gated blocker
     batches = model.stats()["batches"]
     gate.open()
     for t in threads + [blocker]:

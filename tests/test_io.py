@@ -11,15 +11,13 @@ import pytest
 import torch
 
 from simpledbi import ModelError, SharedModel
-from simpledbi.layout import PUBLISHED, REQUEST
 
 from . import models
-from .conftest import cpu_model
+from .conftest import cpu_model, wait_queued
 
 pytestmark = pytest.mark.timeout(120)
 
 I64 = ("int64", "int64", "int64")
-_FLAGS = REQUEST.fields["flags"][1] // 8   # the flags word of a request header
 
 
 def _hf(name="hf", gate=None, **kw):
@@ -194,8 +192,7 @@ def test_requests_with_different_names_are_never_batched_together(start_runtime,
         ids_b, types = _ids(2, 50), np.array([[1, 2, 3, 4], [5, 6, 7, 8]], np.int64)
         threads = [_call_in_thread(a, {"input_ids": ids_a, "attention_mask": mask}, results, "a"),
                    _call_in_thread(b, {"input_ids": ids_b, "token_type_ids": types}, results, "b")]
-        table = rt.tables["hf"]
-        _wait_for(lambda: np.count_nonzero(table.state == PUBLISHED) == 3)  # both behind the held one
+        wait_queued(a, b, n=2)   # both behind the held one
         gate.open()
         for t in [held] + threads:
             t.join(60)
@@ -211,10 +208,10 @@ def test_requests_with_different_names_are_never_batched_together(start_runtime,
 
 
 def test_forged_flags_are_rejected_or_served_correctly(start_runtime):
-    """A hostile client writes flags values into its own request header (after a valid request,
-    so the model process's cached header is one word off): invalid name masks are rejected with
-    a clear text, the one valid mask is served as the keyword call it says it is; an honest
-    client is served throughout and no model process dies."""
+    """A hostile client sends flags values in its request datagrams (a valid request's layout
+    with one word changed: the model process keeps layouts it validated): invalid name masks are
+    rejected with a clear text, the one valid mask is served as the keyword call it says it is;
+    an honest client is served throughout and no model process dies."""
     rt = start_runtime(cpu_model("affine", models.affine, max_batch_size=4, model_num=2, wait_time=0.001))
     pids = _pids(rt, "affine")
     ns = rt.namespace
@@ -227,18 +224,18 @@ def test_forged_flags_are_rejected_or_served_correctly(start_runtime):
         assert honest.input_names == ("x",)
         np.testing.assert_array_equal(honest(x=x), x * 2 + 1)   # by keyword
         for value in evil + [1]:
-            hostile.forward(x, timeout=10)  # a valid request first: the model caches its header
+            hostile.forward(x, timeout=10)  # a valid request first: the model keeps its layout
             (slot,) = hostile._h.idle
-            words = np.frombuffer(slot.seg.buf, np.int64, count=REQUEST.itemsize // 8)
-            words[_FLAGS] = value  # the client rewrites it only when its own names change
+            (key, layout), = slot._layouts.items()   # the layout bytes this client sends
+            slot._layouts[key] = layout[:8] + np.int64(value).tobytes() + layout[16:]
             if value == 1:  # "input 0 is named x": a valid keyword request
                 np.testing.assert_array_equal(hostile.forward(x, timeout=10), x * 2 + 1)
             else:
                 with pytest.raises(ValueError, match=r"rejected the request: request flags -?0x[0-9a-f]+: "
                                                      r"expected a mask of the model's 1 input names"):
                     hostile.forward(x, timeout=10)
-            words[_FLAGS] = 0
-            del words, slot
+            slot._layouts[key] = layout
+            del slot
             h = rng.standard_normal((2, 3)).astype(np.float32)
             np.testing.assert_array_equal(honest.forward(h, timeout=10), h * 2 + 1)
             np.testing.assert_array_equal(honest(x=h, timeout=10), h * 2 + 1)

@@ -8,7 +8,6 @@ import time
 import numpy as np
 
 from simpledbi import SharedModel
-from simpledbi.layout import FREE
 
 
 def affine_worker(rank, n_requests, max_rows, seed):
@@ -25,10 +24,12 @@ def affine_worker(rank, n_requests, max_rows, seed):
 
 def load_worker(rank, n_requests, n_workers, name="slow"):
     model = SharedModel(name, max_shape=(1, 256))
-    # Start line: wait until every worker has attached, so the load really overlaps (on a busy
-    # 2-core machine one worker can otherwise finish before the next one has even started).
+    # Start line: one request each, then wait until the model process has seen every worker,
+    # so the load really overlaps (on a busy 2-core machine one worker can otherwise finish
+    # before the next one has even started).
+    model.forward(np.zeros((1, 256), np.float32))
     deadline = time.monotonic() + 60
-    while np.count_nonzero(model._h.table.state != FREE) < n_workers and time.monotonic() < deadline:
+    while model.ctl.all_instances["clients"].max() < n_workers and time.monotonic() < deadline:
         threading.Event().wait(0.01)  # a bounded wait on a shared-memory condition
     rng = np.random.default_rng(rank)
     for _ in range(n_requests):

@@ -1,0 +1,180 @@
+"""Answering, in a model process: writing each requester's rows and waking it, and what happens
+when a batch fails (poison isolation: only the requests that make the model fail get
+``ModelError``; ``ModelConfig.isolate_errors``).
+"""
+from __future__ import annotations
+
+import logging
+import time
+import traceback
+from typing import Callable, List, Sequence
+
+from .layout import MAX_IO, MAX_NDIM, ST_BAD_REQUEST, ST_MODEL_ERROR, ST_OK, dtype_code
+from .slots import Request
+
+logger = logging.getLogger(__name__)
+
+
+class Answers:
+    """Answers requests into their clients' slots. ``release`` frees a request's HELD row
+    (intake); ``count`` adds to a counter (accounting)."""
+
+    def __init__(self, tag: str, row: int, engine, gather: Callable, release: Callable[[Request], None],
+                 count: Callable[[str, int], None], isolate: bool):
+        self.tag, self.row, self.engine = tag, row, engine
+        self._gather, self._release, self._count = gather, release, count
+        self.isolate = isolate
+        self.fatal = False   # the CUDA context is unusable: the process must be replaced
+
+    def batch(self, batch: List[Request], result, t_close: float, total: int, short=(),
+              before_wake=None) -> None:
+        """Write every answer first, then wake the callers: a woken caller often takes this CPU
+        at once, and should not delay the answers of the rest of its batch. ``before_wake`` runs
+        in between: counters a caller reads after its answer already include it."""
+        structure = result.structure
+        offset = 0
+        todo = [r for r in batch if not r.answered]
+        single = len(batch) == 1  # its rows are the outputs: no slicing
+        try:
+            for i, r in enumerate(batch):
+                if i in short:
+                    self._count("bad_requests", 1)
+                    self.respond(r, ST_BAD_REQUEST, "the request's input could not be read in full",
+                                 t_close=t_close, total=total, wake=False)
+                else:
+                    outs = result.outputs if single else [o[offset:offset + r.rows] for o in result.outputs]
+                    self.respond(r, ST_OK, "", outs, structure.code, t_close, total, wake=False,
+                                 names=structure.names)
+                offset += r.rows
+            if before_wake is not None:
+                before_wake()
+        finally:
+            for r in todo:
+                if r.answered:
+                    r.peer.wake(r.seq)
+
+    def failure(self, batch: List[Request], error: BaseException, t_close: float) -> None:
+        """A batch failed: bisect it to find the requests that make the model fail (if isolation
+        is on and there is more than one request), answer the others normally."""
+        fatal = self.engine.cuda and _is_cuda_fatal(error)
+        if fatal or len(batch) == 1 or not self.isolate:
+            text = error_text(error)
+            logger.error("%s forward failed for a batch of %d requests (%d rows): %s", self.tag,
+                         len(batch), sum(r.rows for r in batch), text.split("\n", 2)[1])
+            self.fail(batch, ST_MODEL_ERROR, text)
+            self._count("errors", len(batch))
+            if fatal:
+                logger.error("%s the CUDA context is broken; exiting to be restarted", self.tag)
+                self.fatal = True
+            return
+        self._count("isolated", 1)
+        culprits = self._bisect(batch, t_close)
+        logger.error("%s forward failed for a batch of %d requests; isolated %d culprit(s)",
+                     self.tag, len(batch), culprits)
+
+    def _bisect(self, batch: List[Request], t_close: float) -> int:
+        """Retry halves of ``batch`` until each request is answered; returns the culprits."""
+        culprits, todo = 0, [batch[:len(batch) // 2], batch[len(batch) // 2:]]
+        while todo:
+            part = todo.pop()
+            if not part:
+                continue
+            total = sum(r.rows for r in part)
+            try:
+                g = self._gather(part)
+                result = self.engine.run_simple(g)
+                check_outputs(result.outputs, total)
+            except Exception as e:  # noqa: BLE001
+                if len(part) == 1:
+                    self.fail(part, ST_MODEL_ERROR, error_text(e))
+                    self._count("errors", 1)
+                    culprits += 1
+                else:
+                    todo += [part[:len(part) // 2], part[len(part) // 2:]]
+                continue
+            self.batch(part, result, t_close, total, g.short)
+        return culprits
+
+    def fail(self, requests: Sequence[Request], status: int, text: str) -> None:
+        for r in requests:
+            if not r.answered:
+                self.respond(r, status, text)
+
+    def respond(self, r: Request, status: int, text: str = "", outs=(), structure: int = 0,
+                t_close: float = 0.0, total: int = 0, wake: bool = True, names: bytes = b"") -> None:
+        """Answer ``r`` (once); with ``wake=False`` the caller wakes it after."""
+        if r.answered:
+            return
+        r.answered = True
+        peer = r.peer
+        try:
+            peer.respond(r.seq, status, text, outs, r.out_offset, structure, self.row, t_close, total,
+                         wake=wake, names=names)
+        except Exception:  # noqa: BLE001 - a slot we cannot write: its client is gone
+            logger.debug("%s answering a request of process %d failed", self.tag, peer.pid, exc_info=True)
+        peer.answered_at, peer.answered_seq = time.monotonic(), r.seq
+        self._release(r)
+
+
+def check_outputs(outputs, total: int) -> None:
+    """Outputs must split back into per-request rows and fit the response layout."""
+    if len(outputs) > MAX_IO:
+        raise _bad_output(f"the model returned {len(outputs)} outputs; at most {MAX_IO} are supported")
+    for j, o in enumerate(outputs):
+        shape = o.shape
+        if not shape or shape[0] != total:
+            raise _bad_output(f"output {j} has shape {tuple(shape)}: expected {total} rows (the "
+                              f"batch dimension first), got {shape[0] if shape else 'a scalar'}")
+        if len(shape) > MAX_NDIM + 1:
+            raise _bad_output(f"output {j} has {len(shape)} dimensions; at most {MAX_NDIM + 1} "
+                              f"(rows + {MAX_NDIM}) are supported")
+        if o.dtype not in _OUT_DTYPES:
+            try:
+                dtype_code(o.dtype)
+            except TypeError as e:
+                raise _bad_output(f"output {j}: {e}") from None
+            _OUT_DTYPES.add(o.dtype)
+
+
+_OUT_DTYPES: set = set()   # output dtypes the response layout was found to carry
+
+
+def _bad_output(text: str) -> Exception:
+    from .engine import BadModelOutput  # torch is imported only in model processes
+    return BadModelOutput(text)
+
+
+def safe_str(e: BaseException) -> str:
+    try:
+        return str(e)
+    except Exception:  # noqa: BLE001 - an exception whose __str__ raises
+        return f"<{type(e).__name__} whose message could not be formatted>"
+
+
+def error_text(e: BaseException) -> str:
+    try:
+        tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
+    except Exception:  # noqa: BLE001
+        tb = ""
+    return f"{type(e).__name__}\n{_one_line(safe_str(e))}\n{tb}"
+
+
+def _one_line(message: str, most: int = 600) -> str:
+    """The caller's error message is one line. A message of several (TorchScript's: "The
+    following operation failed in the TorchScript interpreter. ... RuntimeError: mat1 and mat2
+    shapes cannot be multiplied") keeps its first and its last line, where the cause is; the
+    whole of it is in the remote traceback."""
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    if len(lines) > 1:
+        message = f"{lines[0]} ... {lines[-1]}"
+    elif lines:
+        message = lines[0]
+    return message if len(message) <= most else message[:most - 3] + "..."
+
+
+def _is_cuda_fatal(e: BaseException) -> bool:
+    """Errors after which the CUDA context cannot be used again (a device-side assert, an
+    illegal address): the process must be replaced."""
+    text = safe_str(e)
+    return isinstance(e, RuntimeError) and ("device-side assert" in text or "illegal memory access" in text
+                                            or "CUDA error: an illegal" in text)

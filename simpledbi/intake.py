@@ -1,0 +1,314 @@
+"""Taking requests in, in a model process: the model's socket, the client slots it maps, and the
+checks between a datagram and a :class:`~simpledbi.slots.Request` (NOTE [slot protocol]).
+
+The kernel does the part that used to take a table, claims, look-behinds and back-offs: it
+delivers each datagram to exactly one model process and says which process sent it
+(``SO_PASSCRED``), so a request exists only if its client sent it, and reaches one process once.
+What a datagram says is still a client's word: its slot is opened only through the sender's own
+descriptor table, must be a sealed memfd carrying the datagram's token, and the request's
+layout and size are checked against that slot before anything is read.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import struct
+import time
+from typing import Callable, Dict, List, Optional, Tuple
+
+import numpy as np
+
+from .layout import (CLAIM_OFF, HELD, MAX_DATAGRAM, REQ_MAGIC, REQ_PREFIX, ST_BAD_REQUEST, ST_FULL,
+                     WAKE_MAGIC, ControlBlock, words)
+from .shm import pid_alive
+from .slots import BadRequest, Layout, Limits, Peer, Request, check_size, parse_layout
+
+logger = logging.getLogger(__name__)
+
+_CREDS = struct.Struct("iII")     # struct ucred: pid, uid, gid
+_ANC = socket.CMSG_SPACE(_CREDS.size) + socket.CMSG_SPACE(4)
+_MAX_LAYOUTS = 4096               # validated layouts kept (a few per client and shape)
+_HELD_PID, _HELD_WORDS = HELD.fields["pid"][1] // 8, HELD.itemsize // 8
+WAKE = object()                   # what next() returns for the runtime's wake-up datagram
+#: Requests at least this large are checked to lie over memory the client wrote: a slot of
+#: unwritten pages costs its client nothing, staging its "inputs" would cost this process their
+#: full size. Halved, more requests pay an fstat; doubled, a liar's request costs more to stage.
+_HOLES_CHECKED = 1 << 20
+
+
+class Intake:
+    """One model process's end of the model's socket and its mappings of client slots."""
+
+    def __init__(self, sock: socket.socket, ctl: ControlBlock, row: int, limits: Limits,
+                 max_clients: int, supervisor_pid: int):
+        self.sock = sock
+        sock.setblocking(True)
+        self.ctl, self.row, self.limits = ctl, row, limits
+        self.max_clients = max_clients
+        self.supervisor_pid = supervisor_pid
+        self.pid, self.uid = os.getpid(), os.getuid()
+        self.peers: Dict[Tuple[int, int], Peer] = {}     # (pid, token) -> the slot mapped
+        self._layouts: Dict[bytes, Layout] = {}
+        self._rcvtimeo = -1.0
+        self._held = words(ctl.held[row])                # my HELD rows, as int64 words
+        self._free: List[int] = list(range(ctl.held_cap - 1, -1, -1))
+        self._inst = words(ctl.all_instances[row:row + 1])
+        self._held_word = ctl.all_instances.dtype.fields["held"][1] // 8
+        self._clients_word = ctl.all_instances.dtype.fields["clients"][1] // 8
+        self.count: Callable[..., None] = lambda name, n=1: None   # accounting's counters
+        self.on_bad: Callable[[Peer, str], None] = lambda peer, text: None
+        self.on_new_peer: Callable[[Peer], None] = lambda peer: None
+
+    # ------------------------------------------------------------ receiving
+    @property
+    def full(self) -> bool:
+        """Holding as many requests as the control block has rows for: take no more for now."""
+        return not self._free
+
+    @property
+    def held(self) -> int:
+        return len(self._held) // _HELD_WORDS - len(self._free)
+
+    def next(self, timeout: float):
+        """The next request for me: a Request, WAKE (the runtime wants me to look at the model's
+        state), or None when nothing came within ``timeout`` seconds (0: only what is queued).
+        Datagrams that carry no request for me (withdrawn, malformed: answered) are consumed."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                if timeout <= 0:
+                    data, anc, _, _ = self.sock.recvmsg(MAX_DATAGRAM + 1, _ANC, socket.MSG_DONTWAIT)
+                else:
+                    self._set_timeout(timeout)
+                    data, anc, _, _ = self.sock.recvmsg(MAX_DATAGRAM + 1, _ANC)
+            except (BlockingIOError, InterruptedError):
+                return None
+            got = self._request(data, anc)
+            if got is not None:
+                return got
+            if timeout > 0:
+                timeout = deadline - time.monotonic()
+                if timeout <= 1e-6:
+                    return None
+
+    def _set_timeout(self, seconds: float) -> None:
+        """A kernel timeout on the blocking receive: a receiver blocked in recvmsg is woken alone
+        (an exclusive wait), where a poll() would wake every idle model process per datagram."""
+        seconds = max(seconds, 1e-6)
+        if abs(seconds - self._rcvtimeo) > 2e-6:
+            sec = int(seconds)
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO,
+                                 struct.pack("ll", sec, int((seconds - sec) * 1e6)))
+            self._rcvtimeo = seconds
+
+    def _request(self, data: bytes, anc):
+        if len(anc) == 1 and len(anc[0][2]) >= _CREDS.size:   # the common case: credentials only
+            pid, uid, _ = _CREDS.unpack_from(anc[0][2])
+            return self._checked(data, pid, uid, None)
+        pid, uid, fd = _creds(anc)
+        try:
+            return self._checked(data, pid, uid, fd)
+        finally:
+            if fd is not None:
+                os.close(fd)
+
+    def _checked(self, data: bytes, pid: int, uid: int, fd: Optional[int]):
+        if len(data) < REQ_PREFIX.size or uid != self.uid or pid <= 0:
+            return None   # not from a process of ours: nothing to answer into
+        magic, fd_no, token, seq, rows, t_pub, deadline = REQ_PREFIX.unpack_from(data)
+        if magic != REQ_MAGIC:
+            return WAKE if magic == WAKE_MAGIC and pid == self.supervisor_pid else None
+        peer = self.peers.get((pid, token))
+        if peer is None:
+            peer = self._open(pid, fd_no, token, fd)
+            if peer is None:
+                return None
+        if not peer.claim(seq, self.row, self.pid):
+            self.count("withdrawn")   # taken back before I got to it (or a datagram sent again)
+            return None
+        now = time.monotonic()
+        try:
+            raw = data[REQ_PREFIX.size:]
+            layout = self._layouts.get(raw)
+            if layout is None:
+                layout = parse_layout(raw, self.limits)
+                if len(self._layouts) >= _MAX_LAYOUTS:
+                    self._layouts.clear()
+                self._layouts[raw] = layout
+            nbytes = check_size(layout, rows, peer.size, self.limits)
+            if sum(nbytes) >= _HOLES_CHECKED:
+                _check_memory(peer, sum(nbytes))
+        except BadRequest as e:
+            self.on_bad(peer, str(e))
+            peer.respond(seq, ST_BAD_REQUEST, str(e), claimer=self.row)
+            return None
+        if not (now - self.limits.max_age <= t_pub <= now):   # NaN fails this too
+            t_pub = now
+        req = Request(peer, seq, rows, layout, nbytes, t_pub, deadline, t_seen=now)
+        self._hold(req, pid, fd_no, token)
+        return req
+
+    def _open(self, pid: int, fd_no: int, token: int, fd: Optional[int]) -> Optional[Peer]:
+        if len(self.peers) >= self.max_clients:
+            self.prune()
+        try:
+            peer = Peer(pid, fd_no, token, os.dup(fd) if fd is not None else None)
+        except (OSError, ValueError) as e:
+            logger.debug("a request of process %d names a slot I cannot use: %s", pid, e)
+            return None
+        if len(self.peers) >= self.max_clients:
+            if peer.claim(_peek_seq(peer), self.row, self.pid):
+                peer.respond(_peek_seq(peer), ST_FULL, f"all {self.max_clients} client slots of "
+                             f"this model are in use (raise ModelConfig.max_clients)", claimer=self.row)
+            peer.close()
+            return None
+        self.peers[(pid, token)] = peer
+        self._inst[self._clients_word] = len(self.peers)
+        self.on_new_peer(peer)
+        return peer
+
+    def _hold(self, req: Request, pid: int, fd_no: int, token: int) -> None:
+        """Record in the control block whose request I hold (the supervisor answers its caller
+        at once should I die) -- pid last, the row's 'in use' mark."""
+        i = self._free.pop()
+        w, base = self._held, i * _HELD_WORDS
+        w[base], w[base + 1] = fd_no, token - 2**64 if token >= 2**63 else token
+        w[base + 2], w[base + _HELD_PID] = req.seq, pid
+        req.held = i
+        req.peer.inflight += 1
+        self._inst[self._held_word] = self.held
+
+    def release(self, req: Request) -> None:
+        """The request is answered (or dropped): free its HELD row."""
+        if req.held >= 0:
+            self._held[req.held * _HELD_WORDS + _HELD_PID] = 0
+            self._free.append(req.held)
+            req.held = -1
+            req.peer.inflight -= 1
+            self._inst[self._held_word] = self.held
+
+    # ------------------------------------------------------------ upkeep
+    def may_send(self) -> int:
+        """How many clients could send a request now: the slots I know, less the requests every
+        process of the model holds (an estimate: a batching hint, never a correctness input)."""
+        held = int(self.ctl.instances["held"].sum())
+        return max(len(self.peers) - held, 0)
+
+    def prune(self, unregister: Callable[[Peer], None] = lambda p: None) -> None:
+        """Drop the mappings of slots whose client detached or died (none with a request held)."""
+        for key, peer in list(self.peers.items()):
+            if peer.inflight:
+                continue
+            try:
+                gone = peer.closed() or not pid_alive(peer.pid)
+            except ValueError:
+                gone = True
+            if gone:
+                del self.peers[key]
+                unregister(peer)
+                peer.close()
+        self._inst[self._clients_word] = len(self.peers)
+
+    def close(self) -> None:
+        for peer in self.peers.values():
+            peer.close()
+        self.peers.clear()
+        for view in (self._held, self._inst):
+            view.release()
+
+
+def _check_memory(peer: Peer, nbytes: int) -> None:
+    allocated = os.fstat(peer.seg.fd).st_blocks * 512
+    if allocated < nbytes:
+        raise BadRequest(f"the inputs take {nbytes} bytes but the slot holds only {allocated} bytes "
+                         f"of memory (unwritten pages)")
+
+
+def _peek_seq(peer: Peer) -> int:
+    from .layout import PUB_SEQ_OFF
+    return struct.unpack_from("<q", peer.seg.buf, PUB_SEQ_OFF)[0]
+
+
+# ---------------------------------------------------------------- the runtime's side
+def wake_datagram() -> bytes:
+    """What the runtime sends a model's socket to wake one model process (WAKE_MAGIC; honoured
+    only from the runtime's own pid)."""
+    return REQ_PREFIX.pack(WAKE_MAGIC, -1, 0, 0, 0, 0.0, 0.0)
+
+
+def answer_queued(sock: socket.socket, status: int, text: str, most: int = 100000) -> int:
+    """Answer every request still queued on a model's socket with ``status`` (the runtime, when
+    no model process will take them: stopping, or the model is broken); returns how many."""
+    peers: Dict[Tuple[int, int], Peer] = {}
+    n = 0
+    try:
+        for _ in range(most):
+            try:
+                data, anc, _, _ = sock.recvmsg(MAX_DATAGRAM + 1, _ANC, socket.MSG_DONTWAIT)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError:
+                break
+            pid, uid, fd = _creds(anc)
+            try:
+                if len(data) < REQ_PREFIX.size or pid <= 0 or uid != os.getuid():
+                    continue
+                magic, fd_no, token, seq, *_ = REQ_PREFIX.unpack_from(data)
+                if magic != REQ_MAGIC:
+                    continue
+                peer = peers.get((pid, token))
+                if peer is None:
+                    try:
+                        peer = peers[(pid, token)] = Peer(pid, fd_no, token, os.dup(fd) if fd is not None else None)
+                    except (OSError, ValueError):
+                        continue
+                if peer.claim(seq, -1, os.getpid()):
+                    peer.respond(seq, status, text, claimer=-1)
+                    n += 1
+            finally:
+                if fd is not None:
+                    os.close(fd)
+    finally:
+        for peer in peers.values():
+            peer.close()
+    return n
+
+
+def answer_held(ctl: ControlBlock, row: int, pid: int, status: int, text: str) -> int:
+    """Answer the requests a dead model process (``pid``, control-block row ``row``) held and
+    had not answered, from its HELD rows; returns how many."""
+    held = ctl.held[row].copy()
+    n = 0
+    for fd_no, token, seq, client in zip(held["fd"].tolist(), held["token"].tolist(),
+                                         held["seq"].tolist(), held["pid"].tolist()):
+        if client <= 0:
+            continue
+        try:
+            peer = Peer(client, fd_no, token)
+        except (OSError, ValueError):
+            continue   # its client is gone too
+        try:
+            claim = struct.unpack_from("<qqq", peer.seg.buf, CLAIM_OFF)
+            if claim[1] == pid and claim[2] == seq and not peer.answered(seq):
+                peer.respond(seq, status, text, claimer=row)
+                n += 1
+        finally:
+            peer.close()
+    ctl.held[row]["pid"] = 0
+    return n
+
+
+def _creds(anc) -> Tuple[int, int, Optional[int]]:
+    """(pid, uid, descriptor or None) from a datagram's ancillary data."""
+    pid, uid, fd = -1, -1, None
+    for level, kind, blob in anc:
+        if level == socket.SOL_SOCKET:
+            if kind == socket.SCM_CREDENTIALS and len(blob) >= _CREDS.size:
+                pid, uid, _ = _CREDS.unpack_from(blob)
+            elif kind == socket.SCM_RIGHTS:
+                fds = np.frombuffer(blob[:len(blob) - len(blob) % 4], np.int32).tolist()
+                fd = fds[0] if fds else None
+                for extra in fds[1:]:
+                    os.close(extra)
+    return pid, uid, fd
