@@ -132,12 +132,12 @@ def namespace_entries(namespace: str) -> list:
 
 
 def slot_objects(namespace: str) -> list:
-    """Per-slot objects (client segments and rdy/don semaphores) of the namespace; lock files,
-    the control block, the slot table and the doorbell are the runtime's own and excluded."""
+    """Entries of the namespace that are not the runtime's own (each model's control-block link
+    and request socket): there should be none -- client slots are memfds, not files."""
     out = []
     for e in namespace_entries(namespace):
         base = e.rsplit("/", 1)[-1]
-        if base.endswith((".ctl", ".table", ".lock", ".door")) or e == namespace:
+        if base.endswith((".ctl", ".sock")) or e == namespace:
             continue
         out.append(e)
     return out
@@ -592,9 +592,9 @@ class Soak:
             r, f = proc_usage(m.proc.pid)
             s["models"].append({"instance": m.instance, "pid": m.proc.pid, "rss_mb": r, "fds": f,
                                 "ready": bool(pid_running(m.proc.pid) and not m.loading)})
-        table = self.rt.tables.get(MODEL)
-        if table is not None:
-            s["attached_slots"] = int((table.state != 0).sum())
+        ctl = self.rt.ctls.get(MODEL)
+        if ctl is not None:   # client slots the model processes still map
+            s["attached_slots"] = int(ctl.instances["clients"].max())
         if record:
             self.resources.append(s)
         return s
@@ -742,9 +742,8 @@ class Soak:
                                    if (s, g) not in self.final and (s, g) not in self.killed)
             # ---- no client left: every slot must be freed, every slot object removed
             recovered = self.wait_models(10)
-            time.sleep(max(0.5, 10 * rt.options.poll_interval))   # several reaper rounds
-            table = rt.tables[MODEL]
-            attached_after = int((table.state != 0).sum())
+            time.sleep(max(0.5, 10 * rt.options.poll_interval))   # several maintenance passes
+            attached_after = int(rt.ctls[MODEL].instances["clients"].max())
             objects_after = slot_objects(namespace)
             lat_after = self.latency("after")
             for _ in range(2):   # other load on the machine is noise: a real regression stays
@@ -775,7 +774,7 @@ class Soak:
         # shutdown() leaves the sentinels of its processes (janitor, model processes) open until
         # the Runtime object is collected: count both ways, check the latter
         fds_after_shutdown_held = proc_usage(os.getpid())[1]
-        self.rt = rt = table = None
+        self.rt = rt = None
         gc.collect()
         fds_after_shutdown = proc_usage(os.getpid())[1]
         sources_after = source_fingerprint()

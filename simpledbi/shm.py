@@ -59,20 +59,6 @@ def ns_path(namespace: str, name: str, shm_dir: str = SHM_DIR) -> str:
     return os.path.join(shm_dir, namespace, name)
 
 
-def check_free_space(nbytes: int, what: str, shm_dir: str = SHM_DIR) -> None:
-    """Fail up front, with the size, instead of a later SIGBUS when /dev/shm runs out."""
-    try:
-        st = os.statvfs(shm_dir)
-    except OSError:
-        return
-    free = st.f_bavail * st.f_frsize
-    if nbytes > free:
-        raise OSError(
-            errno.ENOSPC,
-            f"{what} needs {nbytes / 2**20:.1f} MiB of shared memory but {shm_dir} has only "
-            f"{free / 2**20:.1f} MiB free (in Docker, raise --shm-size)")
-
-
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL
 
 
@@ -181,19 +167,6 @@ def check_sealed(fd: int, what: str) -> int:
     return size
 
 
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-
-
-def unlink_file(path: str, trash: Optional[str] = None) -> None:
-    """Remove what is at ``path`` in O(1), whatever a client put there. Never raises: cleanup
-    must go on. See :func:`discard`."""
-    discard(path, trash)
-
-
 def _open_parent(path: str) -> Tuple[Optional[int], str]:
     """A descriptor on ``path``'s directory -- refused if that directory is a symlink (a client
     that swaps the namespace directory for a link must not make the runtime delete elsewhere) --
@@ -219,39 +192,6 @@ def _is_directory_left(pfd: int, name: str, path: str) -> bool:
             return True
         logger.debug("could not remove %s: %s", path, e)
         return False
-
-
-def discard(path: str, trash: Optional[str] = None) -> None:
-    """Remove the file or link at ``path``; a directory (which a client may put where a file of
-    the runtime goes) is removed if empty, else renamed aside -- into ``trash`` (a namespace
-    directory) when given, else next to it -- to go with its namespace (:func:`remove_tree`):
-    constant work, whatever the client keeps adding to it. Never raises."""
-    pfd, name = _open_parent(path)
-    if pfd is None:
-        return
-    try:
-        if not _is_directory_left(pfd, name, path):
-            return
-        try:
-            os.rmdir(name, dir_fd=pfd)
-            return
-        except OSError:
-            pass
-        tfd = pfd
-        if trash is not None:
-            try:
-                tfd = os.open(trash, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-            except OSError:
-                return
-        try:
-            os.rename(name, f".junk.{secrets.token_hex(8)}", src_dir_fd=pfd, dst_dir_fd=tfd)
-        except OSError as e:
-            logger.debug("could not set %s aside: %s", path, e)
-        finally:
-            if tfd != pfd:
-                os.close(tfd)
-    finally:
-        os.close(pfd)
 
 
 def remove_tree(path: str, budget: float = 5.0) -> None:

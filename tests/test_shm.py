@@ -1,51 +1,65 @@
-"""Shared-memory housekeeping: the /dev/shm size check and the sweeping of dead runs' leftovers."""
+"""Shared-memory housekeeping: sealed segments, the slot size check and the sweeping of dead runs'
+leftovers."""
 import os
 import subprocess
 import sys
-from collections import namedtuple
 
 import posix_ipc
 import pytest
 
 from simpledbi import shm
 
-_Stat = namedtuple("_Stat", "f_bavail f_frsize")
-
-
-def test_too_small_dev_shm_fails_up_front_naming_the_size(monkeypatch):
-    monkeypatch.setattr(shm.os, "statvfs", lambda path: _Stat(f_bavail=16, f_frsize=4096))  # 64 KiB
-    ns = shm.new_namespace()
+def test_a_segment_is_a_memfd_nobody_can_resize_and_attach_refuses_anything_else(tmp_path):
+    seg = shm.Segment.create_memfd("t", 3 * 4096, link=str(tmp_path / "t.ctl"))
     try:
-        with pytest.raises(OSError) as info:
-            shm.Segment(shm.ns_path(ns, "big"), 3 * 2**20, create=True)
+        for size in (0, 4096, 10 * 4096):
+            with pytest.raises(PermissionError):
+                os.ftruncate(seg.fd, size)
+        other = shm.Segment.attach(str(tmp_path / "t.ctl"), readonly=True)
+        assert other.size == 3 * 4096
+        other.close()
     finally:
-        shm.sweep_namespace(ns)
-    text = str(info.value)
-    assert "3.0 MiB" in text and "0.1 MiB free" in text and "--shm-size" in text
+        seg.close()
+    plain = tmp_path / "plain"
+    plain.write_bytes(bytes(4096))
+    with pytest.raises(OSError, match="not a sealed simpledbi memfd"):
+        shm.Segment.attach(str(plain))
+    unsealed = os.memfd_create("u")
+    os.ftruncate(unsealed, 4096)
+    try:
+        with pytest.raises(OSError, match="not a sealed simpledbi memfd"):
+            shm.Segment.attach(f"/proc/self/fd/{unsealed}")
+    finally:
+        os.close(unsealed)
+
+
+def test_max_shape_larger_than_memory_is_refused_up_front_naming_the_size():
+    from simpledbi.client import _check_slot_size
+    import numpy as np
+    for shape in ((1, 2**40, 2**40), (1, 10**12), (2**64,)):
+        with pytest.raises(ValueError, match=r"needs a slot of [\d,]+ bytes .* more than this machine's memory"):
+            _check_slot_size([shape], [np.dtype("float32")])
+    _check_slot_size([(32, 3, 224, 224)], [np.dtype("float32")])
 
 
 def test_leftovers_of_a_dead_owner_are_swept():
-    # A process that creates objects in its own namespace and dies without cleaning up.
-    code = ("import os, posix_ipc; from simpledbi import shm; ns = shm.new_namespace(); print(ns, flush=True); "
-            "posix_ipc.Semaphore('/' + ns + '.x', posix_ipc.O_CREX); "
-            "s = shm.Segment(shm.ns_path(ns, 'y'), 4096, create=True); os._exit(0)")
+    # A process that creates its namespace, a socket and a link in it, and dies without cleaning up.
+    code = ("import os, socket; from simpledbi import shm; ns = shm.new_namespace(); print(ns, flush=True); "
+            "socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM).bind(shm.ns_path(ns, 'm.sock')); "
+            "s = shm.Segment.create_memfd('y', 4096, link=shm.ns_path(ns, 'm.ctl')); os._exit(0)")
     ns = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                         check=True).stdout.strip()
-    assert sorted(shm.list_namespace(ns)) == sorted([ns, "sem." + ns + ".x"])
-    assert os.listdir(os.path.join("/dev/shm", ns)) == ["y"]
-    assert shm.sweep_dead_namespaces() >= 2
-    assert shm.list_namespace(ns) == []
+    assert sorted(os.listdir(os.path.join("/dev/shm", ns))) == ["m.ctl", "m.sock"]
+    assert shm.sweep_dead_namespaces() >= 1
+    assert not os.path.lexists(os.path.join("/dev/shm", ns))
 
 
 def test_live_owner_is_not_swept():
     ns = shm.new_namespace()
-    sem = posix_ipc.Semaphore(f"/{ns}.z", posix_ipc.O_CREX)
     try:
         shm.sweep_dead_namespaces()
-        assert sorted(shm.list_namespace(ns)) == sorted([ns, "sem." + ns + ".z"])
+        assert os.path.isdir(os.path.join("/dev/shm", ns))
     finally:
-        sem.unlink()
-        sem.close()
         shm.sweep_namespace(ns)
     assert not shm.pid_alive(2**22 + 12345) and shm.pid_alive(os.getpid())
 
@@ -110,8 +124,7 @@ def test_nothing_is_removed_through_a_symlinked_directory(tmp_path):
     link = tmp_path / "ns"
     os.symlink(real, link)
     shm.remove_tree(str(link / "m.s0.lock"))
-    shm.discard(str(link / "f"))
-    shm.discard(str(link / "m.s0.lock"))
+    shm.remove_tree(str(link / "f"))
     assert (real / "m.s0.lock" / "x").read_text() == "x" and (real / "f").read_text() == "f"
 
 
@@ -142,21 +155,6 @@ def test_removal_gives_up_on_a_directory_that_keeps_growing(tmp_path):
         t.join(30)
     shm.remove_tree(str(top), budget=30)
     assert not top.exists()
-
-
-def test_a_directory_at_a_lock_path_is_set_aside_in_constant_time(tmp_path):
-    # Attach (slots._open_lock) and the reaper set junk aside with one rename, whatever is in it.
-    from simpledbi.slots import _open_lock
-    lock = tmp_path / "m.s0.lock"
-    lock.mkdir()
-    for k in range(2000):
-        (lock / f"d{k}").mkdir()
-    fd = _open_lock(str(lock))
-    assert fd is not None
-    os.close(fd)
-    assert lock.is_file()
-    aside = [p for p in tmp_path.iterdir() if p.name.startswith(".junk.")]
-    assert len(aside) == 1 and len(list(aside[0].iterdir())) == 2000
 
 
 def test_another_programs_semaphore_is_never_swept():
