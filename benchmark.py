@@ -44,7 +44,7 @@ import posix_ipc
 import fake_models
 
 from simpledbi import ModelConfig, RuntimeOptions, SharedModel
-from simpledbi.shm import Segment, new_namespace, sweep_namespace
+from simpledbi.shm import SHM_DIR, new_namespace, sweep_namespace
 from simpledbi.layout import B_FIELDS
 from simpledbi.mps import CONTROL, PrivateDaemon
 from simpledbi.stats import STAGES
@@ -96,8 +96,8 @@ class StartLine:
         flags = posix_ipc.O_CREX if self.owner else 0
         self.ready = posix_ipc.Semaphore(f"/{self.prefix}.ready", flags)
         self.go = posix_ipc.Semaphore(f"/{self.prefix}.go", flags)
-        self.seg = Segment(f"/{self.prefix}.t", 64, create=self.owner)
-        self.t = self.seg.ndarray(0, np.float64, (1,))
+        path = os.path.join(SHM_DIR, self.prefix, "t")   # when they were released, for all
+        self.t = np.memmap(path, np.float64, "w+" if self.owner else "r+", shape=(1,))
 
     def arrive_and_wait(self, timeout: float = 600) -> float:
         self.ready.release()
@@ -114,15 +114,12 @@ class StartLine:
 
     def close(self):
         self.t = None
-        self.seg.close()
         for sem in (self.ready, self.go):
             if self.owner:
                 sem.unlink()
             sem.close()
         if self.owner:
-            sweep_namespace(self.prefix)  # its directory and anything else under its name
-        if self.owner:
-            self.seg.unlink()
+            sweep_namespace(self.prefix)  # its directory and what is in it
 
 
 def _inputs(spec: BenchSpec, rank: int) -> List[np.ndarray]:

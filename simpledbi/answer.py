@@ -9,8 +9,10 @@ import time
 import traceback
 from typing import Callable, List, Sequence
 
+import numpy as np
+
 from .layout import MAX_IO, MAX_NDIM, ST_BAD_REQUEST, ST_MODEL_ERROR, ST_OK, dtype_code
-from .slots import Request
+from .slots import Request, Rows
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +36,10 @@ class Answers:
         structure = result.structure
         offset = 0
         todo = [r for r in batch if not r.answered]
-        single = len(batch) == 1  # its rows are the outputs: no slicing
+        # each output's first row and bytes per row: a request's rows are one memmove each
+        outs = [o if o.flags.c_contiguous else np.ascontiguousarray(o) for o in result.outputs]
+        per_out = [(o.ctypes.data, o.strides[0] if o.shape[0] > 1 else o.nbytes, o.dtype, o.shape[1:])
+                   for o in outs]
         try:
             for i, r in enumerate(batch):
                 if i in short:
@@ -42,8 +47,10 @@ class Answers:
                     self.respond(r, ST_BAD_REQUEST, "the request's input could not be read in full",
                                  t_close=t_close, total=total, wake=False)
                 else:
-                    outs = result.outputs if single else [o[offset:offset + r.rows] for o in result.outputs]
-                    self.respond(r, ST_OK, "", outs, structure.code, t_close, total, wake=False,
+                    n = r.rows
+                    rows = Rows([(ptr + offset * step, n * step) for ptr, step, _, _ in per_out],
+                                tuple(x for _, _, dt, item in per_out for x in (dt, (n, *item))), outs)
+                    self.respond(r, ST_OK, "", rows, structure.code, t_close, total, wake=False,
                                  names=structure.names)
                 offset += r.rows
             if before_wake is not None:

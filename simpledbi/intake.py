@@ -56,6 +56,8 @@ class Intake:
         self._inst = words(ctl.all_instances[row:row + 1])
         self._held_word = ctl.all_instances.dtype.fields["held"][1] // 8
         self._clients_word = ctl.all_instances.dtype.fields["clients"][1] // 8
+        self._all_inst = words(ctl.all_instances)   # every instance row, both banks
+        self._held_words = range(self._held_word, len(self._all_inst), ctl.all_instances.dtype.itemsize // 8)
         self.count: Callable[..., None] = lambda name, n=1: None   # accounting's counters
         self.on_bad: Callable[[Peer, str], None] = lambda peer, text: None
         self.on_new_peer: Callable[[Peer], None] = lambda peer: None
@@ -192,8 +194,8 @@ class Intake:
     def may_send(self) -> int:
         """How many clients could send a request now: the slots I know, less the requests every
         process of the model holds (an estimate: a batching hint, never a correctness input)."""
-        held = int(self.ctl.instances["held"].sum())
-        return max(len(self.peers) - held, 0)
+        w = self._all_inst
+        return max(len(self.peers) - sum([w[i] for i in self._held_words]), 0)
 
     def prune(self, unregister: Callable[[Peer], None] = lambda p: None) -> None:
         """Drop the mappings of slots whose client detached or died (none with a request held)."""
@@ -214,7 +216,7 @@ class Intake:
         for peer in self.peers.values():
             peer.close()
         self.peers.clear()
-        for view in (self._held, self._inst):
+        for view in (self._held, self._inst, self._all_inst):
             view.release()
 
 

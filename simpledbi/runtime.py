@@ -66,7 +66,7 @@ class _ModelProc:
         self.exit_handled = False
         self.retiring = False    # replaced by a rolling reload: its exit is expected
 
-    def describe(self, model: bool = True) -> str:
+    def how(self) -> str:
         code = self.proc.exitcode
         how = f"exit code {code}"
         if code is not None and code < 0:
@@ -74,8 +74,10 @@ class _ModelProc:
                 how += f" ({signal.Signals(-code).name})"
             except ValueError:
                 pass
-        who = f"model {self.cfg.name!r} process" if model else "model process"
-        return f"{who} {self.instance} (pid {self.proc.pid}) died with {how}"
+        return how
+
+    def describe(self) -> str:
+        return f"model {self.cfg.name!r} process {self.instance} (pid {self.proc.pid}) died with {self.how()}"
 
 
 class Runtime:
@@ -395,8 +397,8 @@ class Runtime:
         block) with ModelProcessDied: its callers learn at once."""
         ctl = self.ctls[name]
         n = answer_held(ctl, m.row, m.proc.pid, ST_DIED,
-                        f"{m.describe(model=False)} while computing this request (it may or may not "
-                        f"have run)")
+                        f"model process {m.instance} (pid {m.proc.pid}) died while computing this "
+                        f"request ({m.how()}; it may or may not have run)")
         ctl.all_instances[m.row]["held"] = 0
         if n:
             logger.debug("answered %d request(s) that %s held", n, m.describe())

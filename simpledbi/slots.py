@@ -68,6 +68,7 @@ from .layout import (
 from .shm import Segment, check_sealed
 
 _I64, _F64 = struct.Struct("<q"), struct.Struct("<d")
+_memmove = __import__("ctypes").memmove
 _Q2 = struct.Struct("<QQ")
 _CLAIM = struct.Struct("<qqq")   # instance, pid, seq
 _RESP_WORDS = RESPONSE.itemsize // 8
@@ -484,25 +485,22 @@ class Peer:
 
     def _respond_ok(self, seq, outputs, out_offset, structure, names, claimer, t_close, batch_rows) -> None:
         """Outputs, then a response header built once per output signature (structure, dtypes,
-        shapes, offsets) and only the words it uses, then RESP_SEQ."""
-        sig = [structure, out_offset, names]
-        for o in outputs:
-            sig.append(o.dtype)
-            sig.append(o.shape)
-        key = tuple(sig)
+        shapes, offsets) and only the words it uses, then RESP_SEQ. ``outputs``: arrays, or an
+        :class:`Rows` (the rows of a batch's outputs, copied with one memmove each)."""
+        if not isinstance(outputs, Rows):
+            outputs = Rows.of(outputs)
+        key = (structure, out_offset, names, outputs.sig)
         head = self._heads.get(key)
         if head is None:
             if len(self._heads) > 64:
                 self._heads.clear()
-            head = self._heads[key] = _response_head(outputs, out_offset, structure, names)
+            head = self._heads[key] = _response_head(outputs.sig, out_offset, structure, names)
         if head[1] > self.seg.size:
             self.grow(head[1])   # the outputs need more room than the client made
-        u8, off = self.u8, out_offset
-        for o in outputs:
-            n = o.nbytes
+        dst = self.base
+        for off, (src, n) in zip(head[2], outputs.srcs):
             if n:
-                u8[off:off + n].view(o.dtype).reshape(o.shape)[...] = o
-            off = align(off + n, 64)
+                _memmove(dst + off, src, n)   # inside the slot: head[1] <= its size
         buf = bytearray(head[0])
         _CLAIMER_ROWS.pack_into(buf, _RS_CLAIMER * 8, claimer, batch_rows)
         _TIMES.pack_into(buf, _RS_TCLOSE * 8, t_close, time.monotonic())
@@ -517,25 +515,45 @@ class Peer:
         self.seg.close()
 
 
-def _response_head(outputs, out_offset: int, structure: int, names: bytes = b"") -> Tuple[bytes, int]:
-    """The RESPONSE words of an OK answer with these outputs, up to the last one a client reads
-    -- or all of them and the ``names`` text after them (claimer, rows and times are filled in
-    per answer); and the slot size the outputs need."""
+class Rows:
+    """One request's rows of a batch's outputs: ``srcs`` (address, bytes) per output, and
+    ``sig`` (dtype, shape, ...) -- what its response header is built from (and cached by)."""
+
+    __slots__ = ("srcs", "sig", "keep")
+
+    def __init__(self, srcs, sig, keep=None):
+        self.srcs, self.sig, self.keep = srcs, sig, keep   # keep: arrays the addresses point into
+
+    @classmethod
+    def of(cls, arrays) -> "Rows":
+        arrays = [np.ascontiguousarray(o) for o in arrays]
+        sig = tuple(x for o in arrays for x in (o.dtype, o.shape))
+        return cls([(o.ctypes.data, o.nbytes) for o in arrays], sig, arrays)
+
+
+def _response_head(sig, out_offset: int, structure: int, names: bytes = b"") -> Tuple[bytes, int, tuple]:
+    """The RESPONSE words of an OK answer with outputs of signature ``sig`` (dtype, shape per
+    output), up to the last one a client reads -- or all of them and the ``names`` text after
+    them (claimer, rows and times are filled in per answer); the slot size the outputs need; and
+    each output's offset."""
     w = [0] * _RESP_WORDS
     off = end = out_offset
     used = _RS_DIMS
-    for j, o in enumerate(outputs):
-        w[_RS_DTYPE + j], w[_RS_NDIM + j], w[_RS_OFFSET + j] = dtype_code(o.dtype), o.ndim, off
+    offsets = []
+    for j in range(len(sig) // 2):
+        dtype, shape = sig[2 * j], sig[2 * j + 1]
+        w[_RS_DTYPE + j], w[_RS_NDIM + j], w[_RS_OFFSET + j] = dtype_code(dtype), len(shape), off
         base = _RS_DIMS + j * (MAX_NDIM + 1)
-        w[base:base + o.ndim] = o.shape
-        used = base + o.ndim
-        end = off + o.nbytes
+        w[base:base + len(shape)] = shape
+        used = base + len(shape)
+        offsets.append(off)
+        end = off + math.prod(shape) * dtype.itemsize
         off = align(end, 64)
-    w[_RS_STATUS], w[_RS_NOUT], w[_RS_STRUCT], w[_RS_NEEDED] = ST_OK, len(outputs), structure, end
+    w[_RS_STATUS], w[_RS_NOUT], w[_RS_STRUCT], w[_RS_NEEDED] = ST_OK, len(sig) // 2, structure, end
     if names:
         w[_RS_NAMESLEN] = len(names)
-        return _I64S.pack(*w) + names, end   # NAMES_OFF follows the header
-    return _I64S.pack(*w)[:max(used, _RS_TDONE + 1) * 8], end
+        return _I64S.pack(*w) + names, end, tuple(offsets)   # NAMES_OFF follows the header
+    return _I64S.pack(*w)[:max(used, _RS_TDONE + 1) * 8], end, tuple(offsets)
 
 
 def parse_layout(raw: bytes, limits: Limits) -> Layout:
