@@ -330,3 +330,13 @@ class ManyLines(nn.Module):
 
 def many_lines():
     return ManyLines()
+
+
+def slow_to_load():
+    """An Affine whose loading takes 3 s; it touches $SDBI_TEST_LOADING first (if set)."""
+    import time
+    path = os.environ.get("SDBI_TEST_LOADING")
+    if path:
+        open(path, "a").close()
+    time.sleep(3.0)
+    return Affine()

@@ -1,0 +1,170 @@
+"""What a new user hit (issue 21, items 1, 2, 4, 5, 6, 10): each test failed on the code before."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing as mp
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from simpledbi import RuntimeStopped, SharedModel, naming
+from simpledbi.runtime import Runtime
+
+from . import models
+from .conftest import FAST, cpu_model
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _serve(name: str, model: str = "m=tests.models:affine", env=None) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "simpledbi", "serve", "--name", name, "--device", "cpu",
+                             "--model-num", "2", "--model", model], cwd=ROOT, text=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            env={**os.environ, **(env or {})})
+
+
+def _until(cond, timeout=60.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"{what} not reached within {timeout} s"
+        threading.Event().wait(0.02)   # a bounded wait on an outside condition
+
+
+def _kill(p: subprocess.Popen, sig=signal.SIGKILL) -> str:
+    if p.poll() is None:
+        p.send_signal(sig)
+    try:
+        _, err = p.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        _, err = p.communicate(timeout=30)
+    return err
+
+
+# 1 --------------------------------------------------------------------------------------------
+@pytest.mark.timeout(300)
+def test_a_runtime_killed_while_it_starts_does_not_fail_a_call_attached_by_name():
+    """SIGTERM the runtime, start a second, SIGKILL it while its model processes load, start a
+    third: a client looping forward(timeout=60) by name gets every answer -- each call waits
+    for a successor within its timeout, whatever state its runtime died in."""
+    name = f"t{os.getpid()}-{secrets.token_hex(3)}"
+    first = _serve(name)
+    procs = [first]
+    try:
+        _until(lambda: naming.resolve(name) is not None, what="the first runtime")
+        client = SharedModel("m", (1, 3), runtime=name, connect_timeout=60)
+        errors, served, stop = [], [], threading.Event()
+
+        def loop():
+            i = 0
+            while not stop.is_set():
+                x = np.full((1, 3), float(i), np.float32)
+                try:
+                    np.testing.assert_array_equal(client.forward(x, timeout=60), x * 2 + 1)
+                    served.append(time.monotonic())
+                except BaseException as e:  # noqa: BLE001 - the test reports it
+                    errors.append(e)
+                    return
+                i += 1
+
+        t = threading.Thread(target=loop)
+        t.start()
+        _until(lambda: len(served) > 5, what="calls to the first runtime")
+        _kill(first, signal.SIGTERM)
+        second = _serve(name)
+        procs.append(second)
+        _until(lambda: (naming.resolve(name) or naming.Registration("", "", 0, (), 0)).pid == second.pid,
+               what="the second runtime's registration")
+        _kill(second)                     # while its model processes load
+        third = _serve(name)
+        procs.append(third)
+        _until(lambda: (naming.resolve(name) or naming.Registration("", "", 0, (), 0)).pid == third.pid,
+               what="the third runtime")
+        n = len(served)
+        _until(lambda: len(served) > n + 5 or errors, what="calls to the third runtime")
+        stop.set()
+        t.join(90)
+        assert not t.is_alive() and errors == [], errors[:1]
+        client.close()
+    finally:
+        for p in procs:
+            _kill(p, signal.SIGTERM)
+
+
+# 2 --------------------------------------------------------------------------------------------
+@pytest.mark.timeout(180)
+def test_model_processes_of_a_runtime_killed_while_they_load_print_no_traceback(tmp_path):
+    name = f"t{os.getpid()}-{secrets.token_hex(3)}"
+    marker = tmp_path / "loading"
+    p = _serve(name, "m=tests.models:slow_to_load", env={"SDBI_TEST_LOADING": str(marker)})
+    try:
+        _until(marker.exists, what="a model process loading")   # inside its 3 s factory now
+    finally:
+        err = _kill(p)   # reads stderr to its end: until the janitor and every model process exit
+    assert "Traceback" not in err, err
+    assert err.count("\n") <= 6, err
+
+
+# 4 --------------------------------------------------------------------------------------------
+def test_last_timing_under_asyncio(start_runtime):
+    rt = start_runtime(cpu_model("affine", models.affine, max_batch_size=8, wait_time=0.001))
+    m = SharedModel("affine", (1, 3), namespace=rt.namespace)
+    x = np.ones((1, 3), np.float32)
+
+    async def one():
+        y = await m.forward_async(x)
+        return y, m.last_timing()          # the task's own request
+
+    async def many():
+        await asyncio.gather(*[m.forward_async(x) for _ in range(5)])
+        return m.last_timing()             # no request of its own: the handle's last one
+
+    y, own = asyncio.run(one())
+    np.testing.assert_array_equal(y, x * 2 + 1)
+    assert own["published"] <= own["batch_closed"] <= own["done"] <= own["woken"]
+    after = m.last_timing()                # the main thread, after asyncio.run() of one call
+    assert after["published"] == own["published"]
+    t = asyncio.run(many())
+    assert t["published"] > own["published"] and t["batch_rows"] >= 1
+    m.close()
+
+
+# 5 --------------------------------------------------------------------------------------------
+def test_stats_after_close_is_runtime_stopped(start_runtime):
+    rt = start_runtime(cpu_model("affine", models.affine))
+    m = SharedModel("affine", (1, 3), namespace=rt.namespace)
+    assert m.stats()["requests"] == 0
+    m.close()
+    with pytest.raises(RuntimeStopped, match="closed"):
+        m.stats()
+
+
+# 6 --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("shape", [(1, 2**40, 2**40), (1, 10**12), (2**64,)])
+def test_a_max_shape_that_cannot_fit_is_refused_up_front(start_runtime, shape):
+    rt = start_runtime(cpu_model("affine", models.affine))
+    with pytest.raises(ValueError, match=r"needs a slot of [\d,]+ bytes .* more than this machine's memory"):
+        SharedModel("affine", shape, namespace=rt.namespace)
+
+
+# 10 -------------------------------------------------------------------------------------------
+def _pool_call(namespace):
+    m = SharedModel("affine", (1, 3), namespace=namespace)
+    return float(m.forward(np.ones((1, 3), np.float32))[0, 0])
+
+
+def test_pool_workers_that_exit_holding_handles_log_nothing_at_info(start_runtime, caplog):
+    rt = start_runtime(cpu_model("affine", models.affine))
+    caplog.set_level(logging.INFO, logger="simpledbi")
+    with mp.get_context("spawn").Pool(3) as pool:
+        assert pool.map(_pool_call, [rt.namespace] * 6) == [3.0] * 6
+    _until(lambda: int(rt.ctls["affine"].instances["clients"].max()) == 0, what="slots dropped")
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO] == []
