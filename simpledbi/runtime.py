@@ -39,7 +39,7 @@ from multiprocessing.connection import wait
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from . import mps, naming
+from . import mps, naming, sources
 from .config import ModelConfig, RuntimeOptions
 from .errors import ModelError, ModelProcessDied, RuntimeStopped, WorkerError
 from .interrupts import children_deaf_to_ctrl_c
@@ -779,20 +779,27 @@ def _guard_hint(m: _ModelProc) -> str:
             f"runtime must sit under that guard")
 
 
-def _check_startable(models: Sequence[ModelConfig], start_method: str) -> None:
-    """What would only fail seconds later, in a model process, fails here with its reason."""
-    for cfg in models:
+def _check_startable(models: List[ModelConfig], start_method: str) -> None:
+    """What would only fail seconds later, in a model process, fails here with its reason.
+
+    A factory the model processes could not import by name (a notebook's, a lambda) is replaced
+    in ``models`` -- the runtime's own list -- by one sent by value (sources.ship)."""
+    sources.forget_unreadable_main_file(start_method)   # NOTE [a __main__ that is no file]
+    for k, cfg in enumerate(models):
         if cfg.path is not None and not os.path.exists(cfg.path):
             raise FileNotFoundError(f"model {cfg.name!r}: no model file at {cfg.path!r}")
         if cfg.factory is not None and start_method != "fork":
+            factory = sources.ship(cfg.name, cfg.factory, start_method)
             try:
-                ForkingPickler.dumps(cfg.factory)
+                ForkingPickler.dumps(factory)
             except Exception as e:  # noqa: BLE001 - pickle raises many kinds
                 raise TypeError(f"model {cfg.name!r}: factory {cfg.factory!r} cannot be sent to a model "
                                 f"process ({type(e).__name__}: {e}); model processes are started with "
-                                f"{start_method!r}, so the factory must be importable by name: a "
-                                f"module-level function or class (or functools.partial of one), not a "
-                                f"lambda or a nested function") from None
+                                f"{start_method!r}, so the factory must be picklable: a module-level "
+                                f"function or class, or functools.partial of one with picklable "
+                                f"arguments") from None
+            if factory is not cfg.factory:
+                models[k] = dataclasses.replace(cfg, factory=factory)
 
 
 def _shutdown_at_exit(ref: "weakref.ref[Runtime]") -> None:

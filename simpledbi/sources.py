@@ -1,0 +1,169 @@
+"""How a model's factory reaches the model processes: by name, or by value when it must.
+
+Model processes are spawned: a factory travels to them pickled *by name* (the child imports
+``module.qualname``). That fails for a factory the child cannot import:
+
+- one defined in ``__main__`` when ``__main__`` is no file a child can re-run: a notebook
+  (Jupyter, IPython), ``python -c ...``, ``python - < script.py``;
+- a lambda or a nested function (``<lambda>`` or ``<locals>`` in its qualified name).
+
+``ship`` sends those *by value* instead: ``ByValue`` carries ``cloudpickle.dumps(factory)``
+(code, closure and what it uses from ``__main__``, classes included), and the model process
+calls ``pickle.loads(payload)()``. cloudpickle is the optional ``simpledbi[notebook]`` extra
+(what Ray, Dask and joblib ship functions with); without it such a factory is refused before
+anything starts, with what to do.
+"""
+from __future__ import annotations
+
+import functools
+import multiprocessing.process
+import os
+import pickle
+import sys
+import types
+from typing import Any, Callable, Optional
+
+_NOTEBOOK_EXTRA = "pip install 'simpledbi[notebook]'"
+
+
+# ---------------------------------------------------------------- factories by value
+class ByValue:
+    """A factory the model processes cannot import, pickled by value with cloudpickle.
+
+    Called once in each model process, like any factory. Plain ``pickle.loads`` reads what
+    cloudpickle wrote (it needs cloudpickle importable there, as it is: same environment).
+    """
+
+    def __init__(self, factory: Callable[[], Any], payload: bytes):
+        self.payload = payload
+        self.name = describe(factory)
+
+    def __call__(self):
+        return pickle.loads(self.payload)()
+
+    def __repr__(self) -> str:
+        return f"<{self.name}, sent by value>"
+
+
+def describe(factory) -> str:
+    """A factory's name for messages: ``module.qualname``, or its repr."""
+    if isinstance(factory, ByValue):
+        return factory.name
+    fn = _unwrap(factory)
+    qualname = getattr(fn, "__qualname__", None) or type(fn).__qualname__
+    module = getattr(fn, "__module__", None) or type(fn).__module__
+    return f"{module}.{qualname}" if module else qualname
+
+
+def _unwrap(factory):
+    while isinstance(factory, functools.partial):
+        factory = factory.func
+    return factory
+
+
+def main_is_importable() -> bool:
+    """Can a spawned child re-create ``__main__`` (``python -m pkg`` by name, a script by path)?"""
+    main = sys.modules.get("__main__")
+    if main is None:
+        return False
+    if getattr(getattr(main, "__spec__", None), "name", None):
+        return True
+    return _main_file(main) is not None
+
+
+def _main_file(main) -> Optional[str]:
+    path = getattr(main, "__file__", None)
+    if not isinstance(path, str) or not path:
+        return None
+    if not os.path.isabs(path) and multiprocessing.process.ORIGINAL_DIR is not None:
+        path = os.path.join(multiprocessing.process.ORIGINAL_DIR, path)   # as spawn does
+    return path if os.path.isfile(path) else None
+
+
+def _where_main_is() -> str:
+    main = sys.modules.get("__main__")
+    if getattr(main, "__file__", None) == "<stdin>":
+        return "standard input (python -)"
+    if "IPython" in sys.modules or "ipykernel" in sys.modules:
+        return "a notebook or IPython session"
+    return "python -c or an interactive session"
+
+
+def why_not_importable(factory) -> Optional[str]:
+    """Why a spawned model process could not unpickle ``factory`` -- pickled by name, as spawn
+    does -- or None if it can: a lambda or nested function, or anything from a ``__main__`` the
+    child cannot import (the factory itself, or what a ``functools.partial`` of it carries)."""
+    fn = _unwrap(factory)
+    qualname = getattr(fn, "__qualname__", None) or type(fn).__qualname__
+    if "<" in qualname:
+        return f"{qualname} is a lambda or a nested function, which has no importable name"
+    finder = _MainFinder()
+    try:
+        finder.dump(factory)
+    except Exception as e:  # noqa: BLE001 - pickle raises many kinds
+        return f"it cannot be pickled by name ({type(e).__name__}: {e})"
+    if finder.found is not None and not main_is_importable():
+        what = "it is" if finder.found == describe(factory) else f"it uses {finder.found}, which is"
+        return f"{what} defined in __main__, which here is {_where_main_is()}: no file to import"
+    return None
+
+
+class _MainFinder(pickle.Pickler):
+    """Pickles into nothing, noting the first class or function of ``__main__`` it meets."""
+
+    def __init__(self):
+        super().__init__(_Discard(), protocol=pickle.HIGHEST_PROTOCOL)
+        self.found: Optional[str] = None
+
+    def reducer_override(self, obj):
+        if self.found is None:
+            named = obj if isinstance(obj, (type, types.FunctionType)) else type(obj)
+            if getattr(named, "__module__", None) == "__main__":
+                self.found = f"__main__.{named.__qualname__}"
+        return NotImplemented
+
+
+class _Discard:
+    def write(self, data) -> int:
+        return len(data)
+
+
+def ship(name: str, factory: Callable[[], Any], start_method: str) -> Callable[[], Any]:
+    """``factory`` as it can travel to a model process started with ``start_method``: itself
+    when the child can import it by name (or inherits it, under fork), else a ByValue."""
+    if start_method == "fork" or isinstance(factory, ByValue):
+        return factory
+    why = why_not_importable(factory)
+    if why is None:
+        return factory
+    try:
+        import cloudpickle
+    except ImportError:
+        raise TypeError(
+            f"model {name!r}: factory {describe(factory)} cannot reach the model processes: {why}, "
+            f"and they are started with {start_method!r}, so they import a factory by name. Either "
+            f"{_NOTEBOOK_EXTRA} (cloudpickle: simpledbi then sends the factory by value), or move "
+            f"the factory into a module they can import (a .py file beside your notebook or script, "
+            f"then `from mymodels import build`)") from None
+    try:
+        payload = cloudpickle.dumps(factory)
+    except Exception as e:  # noqa: BLE001 - pickling raises many kinds
+        raise TypeError(f"model {name!r}: factory {describe(factory)} cannot be sent to a model "
+                        f"process by value either ({type(e).__name__}: {e}); move it into an "
+                        f"importable module") from None
+    return ByValue(factory, payload)
+
+
+def forget_unreadable_main_file(start_method: str) -> None:
+    """NOTE [a __main__ that is no file]: ``python - < script.py`` sets ``__main__.__file__`` to
+    ``'<stdin>'``, and every spawned child (model processes, workers, the janitor) then tries to
+    re-run that "file" before anything else: ``FileNotFoundError: '<stdin>'`` in each one. With no
+    ``__file__`` at all (as under ``python -c``), children skip re-running ``__main__``; what they
+    need from it comes by value (``ship``). So a ``__file__`` that names no file is removed."""
+    if start_method == "fork":
+        return
+    main = sys.modules.get("__main__")
+    if main is None or getattr(getattr(main, "__spec__", None), "name", None):
+        return
+    if isinstance(getattr(main, "__file__", None), str) and _main_file(main) is None:
+        del main.__file__
