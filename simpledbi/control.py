@@ -62,6 +62,7 @@ class ControlServer:
             except socket.timeout:
                 reply = {"ok": False, "error": f"no command within {_READ_TIMEOUT:g} s"}
             except Exception as e:  # noqa: BLE001 - every failure is an answer
+                logger.exception("control command failed")
                 reply = {"ok": False, "error": f"{type(e).__name__}: {e}"}
             try:
                 conn.sendall(json.dumps(reply).encode() + b"\n")
@@ -80,7 +81,12 @@ class ControlServer:
             if not isinstance(model, str) or (path is not None and not isinstance(path, str)):
                 return {"ok": False, "error": "reload: expected a model name and an optional path"}
             logger.info("reload of %r requested%s", model, f" from {path}" if path else "")
-            cfg = self.runtime.reload(model, path, timeout)
+            try:
+                cfg = self.runtime.reload(model, path, timeout)
+            except Exception as e:  # noqa: BLE001 - the answer says why; so does the log, where an
+                # operator looks (the command's output is gone with the shell that ran it)
+                logger.error("reload of %r failed: %s: %s", model, type(e).__name__, e)
+                return {"ok": False, "error": f"{type(e).__name__}: {e}"}
             return {"ok": True, "message": f"model {model!r} reloaded from "
                     f"{cfg.path or getattr(cfg.factory, '__qualname__', cfg.factory)}"}
         return {"ok": False, "error": f"unknown op {op!r}; expected 'reload'"}

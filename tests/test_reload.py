@@ -198,3 +198,25 @@ def test_a_reload_while_an_old_process_restarts_retires_it_too(tmp_path):
             assert time.monotonic() < deadline, rt._retired
             threading.Event().wait(0.05)
         client.close()
+
+
+@pytest.mark.timeout(180)
+def test_a_failed_reload_command_is_logged_by_the_serve_process(tmp_path):
+    # Only the command's caller saw the error; the server's log had nothing.
+    name = f"t{os.getpid()}-{secrets.token_hex(3)}"
+    proc = _serve(name, "--model", "m=tests.models:affine")
+    try:
+        _wait_for(proc, "ready")
+        bad = tmp_path / "broken.pt"
+        bad.write_bytes(b"not a torchscript file")
+        out = subprocess.run([sys.executable, "-m", "simpledbi", "reload", "m", "--runtime", name,
+                              "--path", str(bad)], cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 1 and "the running version keeps serving" in out.stderr, out
+        proc.terminate()
+        _, log = proc.communicate(timeout=60)
+        assert proc.returncode == 0, log
+        assert ("ERROR simpledbi.control: reload of 'm' failed: RuntimeError: reload 'm' failed; "
+                "the running version keeps serving: ModelError: model 'm' process 0 failed to load") \
+            in log, log
+    finally:
+        _stop(proc)
