@@ -3,7 +3,7 @@
     simpledbi serve  --name myapp --model resnet50=models/resnet50.pt --model-num 2 --device cuda
     simpledbi serve  --config serve.toml            # several models, every ModelConfig field
     simpledbi status [myapp] [--check] [--json]     # a live table; --check: exit 1 unless ready
-    simpledbi reload resnet50 [--runtime myapp] [--path new.pt]   # rolling, no failed request
+    simpledbi reload resnet50 [--runtime myapp] [--path new.pt or mymodels:build]  # rolling
 
 ``serve`` starts a standalone runtime under a stable name: processes simpledbi did not start
 (web servers' workers, DataLoader workers, a job system) attach with
@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib
 import importlib.util
 import json
 import logging
@@ -39,9 +38,11 @@ import time
 import tomllib
 from typing import Any, Dict, List, Optional, Sequence
 
+from . import sources
 from .config import ModelConfig, RuntimeOptions
 from .control import ControlServer
 from .errors import SimpleDBIError
+from .sources import import_factory
 
 logger = logging.getLogger("simpledbi.serve")
 
@@ -110,7 +111,9 @@ def _parser() -> argparse.ArgumentParser:
     r = sub.add_parser("reload", help="replace a model's processes without failing a request")
     r.add_argument("model", help="the model to reload")
     r.add_argument("--runtime", help="runtime name (default: $SIMPLEDBI_RUNTIME, or the only one)")
-    r.add_argument("--path", help="a new TorchScript / .pt2 file (default: load the same again)")
+    r.add_argument("--path", metavar="PATH|MODULE:FACTORY", help="a new TorchScript / .pt2 file, "
+                   "or a function that builds the model, imported by the serve process (default: "
+                   "load the same again)")
     r.add_argument("--timeout", type=float, default=60.0, help="seconds the old processes get to "
                    "finish what they took")
     r.set_defaults(func=_reload)
@@ -154,7 +157,11 @@ def load_serve_config(args: argparse.Namespace) -> ServeConfig:
         model_name, sep, where = spec.partition("=")
         if not sep or not where:
             raise ValueError(f"--model: expected NAME=PATH or NAME=MODULE:FACTORY, got {spec!r}")
-        entries.append({"name": model_name, _source_key(where): where})
+        try:
+            kind, source = sources.resolve(where)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"model {model_name!r}: {e}") from None
+        entries.append({"name": model_name, kind: source})
     if not entries:
         raise ValueError("no model to serve: give --model NAME=PATH (or [[models]] in --config)")
     models = [_model_config({**e, **flags}) for e in entries]
@@ -172,13 +179,6 @@ def load_serve_config(args: argparse.Namespace) -> ServeConfig:
                              else doc.get("drain_timeout", 30.0)))
 
 
-def _source_key(where: str) -> str:
-    module, sep, attr = where.partition(":")
-    if sep and attr.isidentifier() and not os.path.exists(where) and "/" not in module:
-        return "factory"
-    return "path"
-
-
 def _model_config(entry: Dict[str, Any]) -> ModelConfig:
     entry = dict(entry)
     if isinstance(entry.get("path"), str) and not os.path.isfile(entry["path"]):
@@ -191,23 +191,6 @@ def _model_config(entry: Dict[str, Any]) -> ModelConfig:
         raise ValueError(f"model {entry.get('name')!r}: unknown settings {sorted(unknown)}; "
                          f"expected ModelConfig fields")
     return ModelConfig(**entry)
-
-
-def import_factory(ref: str):
-    """``"package.module:function"`` -> the function (spawned model processes import it again)."""
-    module, _, attr = ref.partition(":")
-    if os.getcwd() not in sys.path and "" not in sys.path:
-        sys.path.insert(0, os.getcwd())  # like `python -m`: modules next to the caller resolve
-    try:
-        obj = importlib.import_module(module)
-    except ImportError as e:
-        raise ValueError(f"factory {ref!r}: cannot import {module!r}: {e}") from None
-    try:
-        for part in attr.split("."):
-            obj = getattr(obj, part)
-    except AttributeError:
-        raise ValueError(f"factory {ref!r}: {module!r} has no {attr!r}") from None
-    return obj
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -270,9 +253,15 @@ def _serve(args: argparse.Namespace) -> int:
 def _reload(args: argparse.Namespace) -> int:
     from . import control
     from .status import inspect
+    path = args.path
+    if path is not None:
+        if os.path.isfile(path):
+            path = os.path.abspath(path)   # the serve process has a working directory of its own
+        elif not sources.is_import_path(path):
+            sources.resolve(path)          # neither: raises, saying what was tried
+        # else MODULE:FACTORY, imported by the serve process (whose sys.path it must be on)
     info = inspect(args.runtime)
-    reply = control.send(info.namespace, {"op": "reload", "model": args.model, "path":
-                                          os.path.abspath(args.path) if args.path else None,
+    reply = control.send(info.namespace, {"op": "reload", "model": args.model, "path": path,
                                           "timeout": args.timeout})
     if reply.get("ok"):
         print(reply.get("message", "reloaded"))

@@ -2,6 +2,7 @@
 directory (mode 0700: only its user can connect), one JSON line each way.
 
     simpledbi reload resnet50 --path models/resnet50_v2.pt     ->  {"op": "reload", ...}
+    simpledbi reload resnet50 --path mymodels:build_v2         (a factory, imported here)
 
 The serve process answers once the command is done (a reload: new processes serve, old ones
 finished), so the command's exit status says whether it worked.
@@ -16,6 +17,7 @@ import threading
 from typing import Optional
 
 from .shm import ns_path
+from .sources import describe
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +90,7 @@ class ControlServer:
                 logger.error("reload of %r failed: %s: %s", model, type(e).__name__, e)
                 return {"ok": False, "error": f"{type(e).__name__}: {e}"}
             return {"ok": True, "message": f"model {model!r} reloaded from "
-                    f"{cfg.path or getattr(cfg.factory, '__qualname__', cfg.factory)}"}
+                    f"{path or cfg.path or describe(cfg.factory)}"}
         return {"ok": False, "error": f"unknown op {op!r}; expected 'reload'"}
 
     def close(self) -> None:

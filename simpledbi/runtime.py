@@ -414,13 +414,13 @@ class Runtime:
 
     # ------------------------------------------------------------ rolling reload
     def reload(self, model: str, path: Optional[str] = None, timeout: float = 60.0) -> ModelConfig:
-        """Replace the processes of ``model`` (with the model at ``path``, else the same source
-        loaded again) without failing a request: start new processes in the other bank of the
-        control block while the current ones serve (loaded, they claim nothing yet), switch,
-        then let the old ones answer what they took and exit (terminated after ``timeout``
-        seconds). If a new process fails to load, the new ones are stopped -- they hold nothing
-        -- and the current version keeps serving; the error is raised. Holds both versions in
-        memory meanwhile."""
+        """Replace the processes of ``model`` (with the model at ``path`` -- a file, or a factory
+        by import path ``"module:function"`` -- else the same source loaded again) without failing
+        a request: start new processes in the other bank of the control block while the current
+        ones serve (loaded, they claim nothing yet), switch, then let the old ones answer what
+        they took and exit (terminated after ``timeout`` seconds). If a new process fails to
+        load, the new ones are stopped -- they hold nothing -- and the current version keeps
+        serving; the error is raised. Holds both versions in memory meanwhile."""
         if not (isinstance(timeout, (int, float)) and not isinstance(timeout, bool)
                 and 0 < timeout <= 3600):
             raise ValueError(f"reload timeout: expected 0 < seconds <= 3600, got {timeout!r}")
@@ -430,10 +430,18 @@ class Runtime:
                 raise LookupError(f"no model named {model!r}; this runtime serves "
                                   f"{[c.name for c in self.models]}")
             cfg = self.models[idx]
-            if path is not None:
-                if not os.path.isfile(path):
-                    raise FileNotFoundError(f"reload {model!r}: no model file at {path!r}")
-                cfg = dataclasses.replace(cfg, path=os.fspath(path), factory=None)
+            if path is not None:   # a model file, or a factory by import path "module:function"
+                try:
+                    kind, source = sources.resolve(os.fspath(path))
+                except FileNotFoundError as e:
+                    raise FileNotFoundError(f"reload {model!r}: {e}") from None
+                except ValueError as e:
+                    raise ValueError(f"reload {model!r}: {e}") from None
+                if kind == "path":
+                    cfg = dataclasses.replace(cfg, path=source, factory=None)
+                else:
+                    cfg = dataclasses.replace(cfg, path=None, factory=sources.ship(
+                        model, source, self.ctx.get_start_method()))
             ctl = self.ctls[model]
             if ctl.state != RUNNING:
                 raise RuntimeError(f"reload {model!r}: the model is {ctl.state_name}, not running")

@@ -1,4 +1,4 @@
-"""How a model's factory reaches the model processes: by name, or by value when it must.
+"""Where a model comes from -- a file or a factory -- and how a factory reaches a model process.
 
 Model processes are spawned: a factory travels to them pickled *by name* (the child imports
 ``module.qualname``). That fails for a factory the child cannot import:
@@ -12,16 +12,25 @@ Model processes are spawned: a factory travels to them pickled *by name* (the ch
 calls ``pickle.loads(payload)()``. cloudpickle is the optional ``simpledbi[notebook]`` extra
 (what Ray, Dask and joblib ship functions with); without it such a factory is refused before
 anything starts, with what to do.
+
+The command line names a model by a file or by a factory's import path, ``module:function``:
+``resolve`` reads such a value and, when it is neither (or could be both), says what it tried.
 """
 from __future__ import annotations
 
 import functools
+import importlib
+import importlib.util
 import multiprocessing.process
 import os
 import pickle
+import re
 import sys
 import types
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Tuple
+
+#: ``package.module:function`` (the function may be ``Class.method``)
+_REF = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
 
 _NOTEBOOK_EXTRA = "pip install 'simpledbi[notebook]'"
 
@@ -167,3 +176,75 @@ def forget_unreadable_main_file(start_method: str) -> None:
         return
     if isinstance(getattr(main, "__file__", None), str) and _main_file(main) is None:
         del main.__file__
+
+
+# ---------------------------------------------------------------- files and import paths
+def import_factory(ref: str):
+    """``"package.module:function"`` -> the function (spawned model processes import it again)."""
+    module, _, attr = ref.partition(":")
+    _cwd_on_path()
+    try:
+        obj = importlib.import_module(module)
+    except ImportError as e:
+        raise ValueError(f"factory {ref!r}: cannot import {module!r}: {e}"
+                         f"{_module_hint(module, attr)}") from None
+    try:
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+    except AttributeError:
+        raise ValueError(f"factory {ref!r}: {module!r} has no {attr!r}") from None
+    return obj
+
+
+def _cwd_on_path() -> None:
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())  # like `python -m`: modules next to the caller resolve
+
+
+def is_import_path(where: str) -> bool:
+    """Is ``where`` shaped like ``package.module:function``?"""
+    return bool(_REF.match(where))
+
+
+def resolve(where: str) -> Tuple[str, Any]:
+    """Read a model source given as text: ``("path", where)`` for a model file, ``("factory",
+    function)`` for ``module:function``. Raises FileNotFoundError (nothing of either kind) or
+    ValueError (a factory that does not import, or a value that could be both), saying what
+    was tried."""
+    is_file = os.path.isfile(where)
+    if not is_import_path(where):
+        if is_file:
+            return "path", where
+        module, sep, attr = where.rpartition(":")
+        if sep and module and attr.isidentifier():   # ../mymodels:build
+            raise FileNotFoundError(
+                f"{where!r} is neither a model file (no file at {os.path.abspath(where)!r}) nor a "
+                f"factory MODULE:FUNCTION ({module!r} is not a module name){_module_hint(module, attr)}")
+        raise FileNotFoundError(f"no model file at {where!r}")
+    module, _, attr = where.partition(":")
+    if is_file:
+        _cwd_on_path()
+        try:
+            importable = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):
+            importable = False
+        if not importable:
+            return "path", where
+        raise ValueError(f"{where!r} could be the model file {os.path.abspath(where)!r} or the "
+                         f"factory {attr!r} of module {module!r}: write './{where}' for the file, "
+                         f"or rename the file for the factory")
+    try:
+        return "factory", import_factory(where)
+    except ValueError as e:
+        raise ValueError(f"{e} (and there is no model file {where!r})") from None
+
+
+def _module_hint(module: str, attr: str) -> str:
+    """For ``../mymodels:build`` or ``mymodels.py:build``: how to name ``build`` of that file by
+    import path -- the model processes import a factory by module name."""
+    stem = module[:-3] if module.endswith(".py") else module
+    if not os.path.isfile(stem + ".py"):
+        return ""
+    directory, base = os.path.split(stem)
+    return (f"; to use {attr}() of {stem}.py, put its directory on the import path and name "
+            f"its module: PYTHONPATH={directory or '.'} ... {base}:{attr}")

@@ -220,3 +220,29 @@ def test_a_failed_reload_command_is_logged_by_the_serve_process(tmp_path):
             in log, log
     finally:
         _stop(proc)
+
+
+@pytest.mark.timeout(180)
+def test_simpledbi_reload_takes_a_factory_by_import_path_like_serve_does():
+    # --path took only a file: "tests.models:Triple" became "<cwd>/tests.models:Triple", not found
+    name = f"t{os.getpid()}-{secrets.token_hex(3)}"
+    proc = _serve(name, "--model", "m=tests.models:affine")
+    try:
+        _wait_for(proc, "ready")
+        x = np.ones((1, 3), np.float32)
+
+        def reload(path):
+            return subprocess.run([sys.executable, "-m", "simpledbi", "reload", "m", "--runtime", name,
+                                   "--path", path], cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+        bad = reload("tests.models:Nothing")
+        assert bad.returncode == 1 and "'tests.models' has no 'Nothing'" in bad.stderr, bad
+        out = reload("tests.models:Triple")
+        assert out.returncode == 0, out.stderr
+        assert "model 'm' reloaded from tests.models:Triple" in out.stdout
+        with SharedModel("m", (1, 3), runtime=name) as client:
+            np.testing.assert_array_equal(client.forward(x), x * 3 + 1)
+        proc.terminate()
+        assert proc.wait(60) == 0
+    finally:
+        _stop(proc)

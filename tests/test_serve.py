@@ -228,6 +228,37 @@ def test_serve_config_from_toml_and_flags(tmp_path):
         load_serve_config(_parser().parse_args(["serve", "--name", "x", "--model", "a=missing.pt"]))
 
 
+@pytest.mark.timeout(60)
+def test_a_model_value_that_is_neither_a_file_nor_a_factory_or_could_be_both_says_so(tmp_path, monkeypatch):
+    # `--model mlp=../mymodels:build` was read as a file path: "no model file at '../mymodels:build'"
+    (tmp_path / "mymodels.py").write_text("def build():\n    return None\n")
+    (tmp_path / "sub").mkdir()
+    monkeypatch.chdir(tmp_path / "sub")
+
+    def load(value):
+        return load_serve_config(_parser().parse_args(["serve", "--name", "x", "--model", value]))
+
+    with pytest.raises(ValueError, match=r"model 'mlp': '\.\./mymodels:build' is neither a model file "
+                                         r"\(no file at '.*/mymodels:build'\) nor a factory "
+                                         r"MODULE:FUNCTION \('\.\./mymodels' is not a module name\); "
+                                         r"to use build\(\) of \.\./mymodels\.py, put its directory on the "
+                                         r"import path and name its module: PYTHONPATH=\.\. \.\.\. "
+                                         r"mymodels:build"):
+        load("mlp=../mymodels:build")
+    with pytest.raises(ValueError, match=r"model 'mlp': factory 'nomodule_here:build': cannot import "
+                                         r"'nomodule_here'.*\(and there is no model file "
+                                         r"'nomodule_here:build'\)"):
+        load("mlp=nomodule_here:build")
+    monkeypatch.chdir(tmp_path)
+    assert load("mlp=mymodels:build").models[0].factory.__module__ == "mymodels"
+    (tmp_path / "tests.models:affine").write_bytes(b"")   # a file named like a factory
+    with pytest.raises(ValueError, match=r"model 'mlp': 'tests.models:affine' could be the model file "
+                                         r"'.*/tests.models:affine' or the factory 'affine' of module "
+                                         r"'tests.models': write './tests.models:affine' for the file"):
+        load("mlp=tests.models:affine")
+    assert load("mlp=./tests.models:affine").models[0].path == "./tests.models:affine"
+
+
 # ---------------------------------------------------------------- looking inside
 @pytest.mark.timeout(120)
 def test_inspect_and_status_read_a_runtime_without_taking_a_slot(gate):
