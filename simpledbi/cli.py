@@ -38,7 +38,7 @@ import time
 import tomllib
 from typing import Any, Dict, List, Optional, Sequence
 
-from . import sources
+from . import naming, sources
 from .config import ModelConfig, RuntimeOptions
 from .control import ControlServer
 from .errors import SimpleDBIError
@@ -198,6 +198,10 @@ def _serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = load_serve_config(args)
+    running = naming.resolve(cfg.name)
+    if running is not None:   # before "starting": this one would not (register() refuses too)
+        raise RuntimeError(f"a simpledbi runtime named {cfg.name!r} is already running (pid "
+                           f"{running.pid}); stop it or choose another name")
     if cfg.metrics_port is not None:
         if importlib.util.find_spec("prometheus_client") is None:
             # before loading any model: a missing extra fails fast

@@ -431,3 +431,23 @@ def test_a_registration_naming_some_other_live_pid_does_not_hold_the_name():
         if os.path.exists(path) and json.load(open(path))["pid"] == 1:
             os.unlink(path)
     assert not os.path.exists(path)
+
+
+@pytest.mark.timeout(120)
+def test_serve_refuses_a_name_that_is_taken_before_it_logs_starting():
+    # It logged "starting runtime 'dup'" (and started a janitor) before refusing.
+    name = _name()
+    namespace = f"sdbi_{os.getpid()}_taken{secrets.token_hex(3)}"
+    os.mkdir(f"/dev/shm/{namespace}")           # a live runtime, as far as its name says
+    path = naming.register(name, namespace, ["m"])
+    try:
+        proc = subprocess.run([sys.executable, "-m", "simpledbi", "serve", "--name", name, "--model",
+                               "m=tests.models:affine", "--device", "cpu"], cwd=ROOT,
+                              capture_output=True, text=True, timeout=100)
+    finally:
+        naming.unregister(path, namespace)
+        os.rmdir(f"/dev/shm/{namespace}")
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        f"simpledbi serve: a simpledbi runtime named '{name}' is already running (pid {os.getpid()}); "
+        f"stop it or choose another name"], proc.stderr
