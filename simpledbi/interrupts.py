@@ -7,30 +7,81 @@ spends its first second or two unpickling its arguments, which imports the user'
 and torch; a SIGINT then raised KeyboardInterrupt inside those imports and each child printed a
 traceback (three or four of them for the sample) although the main process cleans everything
 up. A child's entry point can only ignore SIGINT once it runs, after those imports. So the main
-process starts each child with SIGINT blocked (the signal mask survives fork and exec; a Ctrl-C
-meanwhile stays pending for the main process and is handled right after), and the child's entry
-point ignores SIGINT before it unblocks it. The main process alone decides when children stop.
+process starts each child with SIGINT blocked (the signal mask survives fork and exec), and the
+child's entry point ignores SIGINT before it unblocks it. The main process alone decides when
+children stop.
+
+Blocking SIGINT in the starting thread does not hold a Ctrl-C back from Python, though: once the
+process has another thread (the log relay, the supervisor), the kernel hands the signal to that
+thread, and CPython raises KeyboardInterrupt in the main thread at its next bytecode -- inside
+``Process.start()``: between spawning the child and writing its bootstrap data (the child dies
+printing "EOFError: Ran out of input"), or after it runs but before the runtime has recorded it
+(shutdown then neither stops nor joins it). So while the block lasts, the main thread's SIGINT
+handler only takes note, and the Ctrl-C is raised when the block ends -- after ``start()``.
+Callers should record the child inside the block, so that shutdown knows it before a
+KeyboardInterrupt can come.
 """
 from __future__ import annotations
 
 import contextlib
 import signal
+import threading
 from multiprocessing import resource_tracker
+from typing import Optional
 
 _SIGINT = {signal.SIGINT}
 
 
 @contextlib.contextmanager
 def children_deaf_to_ctrl_c():
-    """Children started inside this block begin with SIGINT blocked."""
+    """Children started inside this block begin with SIGINT blocked; a Ctrl-C meanwhile is raised
+    when the block ends, never inside it (NOTE [Ctrl-C and children])."""
     # multiprocessing starts its resource tracker with the first spawned child, and unblocks
     # SIGINT when that is done: start it first, or that child would begin with SIGINT unblocked
     resource_tracker.ensure_running()
+    held = _HeldCtrlC.install()
     old = signal.pthread_sigmask(signal.SIG_BLOCK, _SIGINT)
     try:
         yield
     finally:
+        # unblocking delivers a SIGINT the kernel kept pending, to the recorder still installed
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        if held is not None:
+            held.release()
+
+
+class _HeldCtrlC:
+    """The main thread's SIGINT handler, replaced for a while by one that only records."""
+
+    def __init__(self, previous):
+        self.previous = previous
+        self.pending = False
+
+    @classmethod
+    def install(cls) -> "Optional[_HeldCtrlC]":
+        """None where nothing is to hold: not the main thread (Python runs handlers there only),
+        or SIGINT ignored or handled outside Python."""
+        if threading.current_thread() is not threading.main_thread():
+            return None
+        previous = signal.getsignal(signal.SIGINT)
+        if previous is None or previous == signal.SIG_IGN:
+            return None
+        held = cls(previous)
+        signal.signal(signal.SIGINT, held._record)
+        return held
+
+    def _record(self, signum, frame) -> None:
+        self.pending = True
+
+    def release(self) -> None:
+        """Put the handler back; if a Ctrl-C came meanwhile, hand it over now."""
+        signal.signal(signal.SIGINT, self.previous)
+        if not self.pending:
+            return
+        if callable(self.previous):
+            self.previous(signal.SIGINT, None)   # default_int_handler: KeyboardInterrupt
+        else:                                    # SIG_DFL: the process ends, as it would have
+            signal.raise_signal(signal.SIGINT)
 
 
 def ignore_ctrl_c() -> None:

@@ -136,3 +136,29 @@ def test_a_partial_carrying_something_of_main_is_sent_by_value():
     p = _python("-c", code)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "ANSWER [[3.0, 3.0, 3.0]]" in p.stdout
+
+
+# ---------------------------------------------------------------- item 13: Ctrl-C while a child starts
+@pytest.mark.timeout(60)
+def test_a_ctrl_c_while_a_child_is_started_is_raised_after_the_block_not_inside_it():
+    # With another thread in the process, the kernel gave the SIGINT blocked in the main thread to
+    # that thread, and Python raised KeyboardInterrupt inside the block -- inside Process.start(),
+    # between spawning a child and writing its bootstrap data, or before the runtime recorded it.
+    code = """
+import os, signal, threading
+from simpledbi.interrupts import children_deaf_to_ctrl_c
+other = threading.Event()
+threading.Thread(target=other.wait, daemon=True).start()   # a thread that does not block SIGINT
+try:
+    with children_deaf_to_ctrl_c():
+        os.kill(os.getpid(), signal.SIGINT)   # Ctrl-C while a child is being started
+        for _ in range(200000):               # bytecodes at which Python runs a pending handler
+            pass
+        print("THE BLOCK RAN TO ITS END", flush=True)
+except KeyboardInterrupt:
+    print("KEYBOARDINTERRUPT", flush=True)
+assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+"""
+    p = _python("-c", code)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split() == ["THE", "BLOCK", "RAN", "TO", "ITS", "END", "KEYBOARDINTERRUPT"], p.stdout
