@@ -200,12 +200,13 @@ class Runtime:
         try:
             with children_deaf_to_ctrl_c():
                 janitor.start()
+                self._janitor, self._janitor_conn = janitor, parent_end  # only once it runs
         except BaseException:
-            parent_end.close()
+            if self._janitor is None:
+                parent_end.close()
             raise
         finally:
             child_end.close()
-        self._janitor, self._janitor_conn = janitor, parent_end  # only once it runs
 
     def _adopt_mps_daemon(self, daemon: mps.PrivateDaemon) -> None:
         """Before the daemon starts: shutdown and the janitor must stop it whatever happens next."""
@@ -237,14 +238,14 @@ class Runtime:
         try:
             with children_deaf_to_ctrl_c():   # NOTE [Ctrl-C and children]
                 proc.start()
+                self._logs.add(log_r)
+                self._tell_janitor("model", proc.pid)
+                m = _ModelProc(cfg, instance, row, proc, parent_end)
+                if current:
+                    self.instances[(cfg.name, instance)] = m
         finally:
             child_end.close()
             log_w.close()
-        self._logs.add(log_r)
-        self._tell_janitor("model", proc.pid)
-        m = _ModelProc(cfg, instance, row, proc, parent_end)
-        if current:
-            self.instances[(cfg.name, instance)] = m
         return m
 
     def _await_models(self, procs: Optional[List[_ModelProc]] = None) -> None:
@@ -540,10 +541,10 @@ class Runtime:
                                     args=(rank, target, tuple(args), kwargs, self.namespace, child_end))
             with children_deaf_to_ctrl_c():
                 proc.start()
-            child_end.close()
-            self._tell_janitor("worker", proc.pid)
-            self.worker_procs[rank] = proc
-            conns[parent_end] = rank
+                child_end.close()
+                self._tell_janitor("worker", proc.pid)
+                self.worker_procs[rank] = proc
+                conns[parent_end] = rank
         return self._supervise(conns, worker_num)
 
     def _supervise(self, conns: Dict[Any, int], worker_num: int) -> List[Any]:
