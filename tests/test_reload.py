@@ -18,7 +18,7 @@ from simpledbi.runtime import Runtime
 
 from . import models
 from .conftest import FAST, cpu_model
-from .test_serve import ROOT, _serve, _stop, _wait_for
+from .test_serve import ROOT, _lines, _serve, _stop, _wait_for
 
 
 def _scripted(tmp_path) -> str:
@@ -213,8 +213,11 @@ def test_a_failed_reload_command_is_logged_by_the_serve_process(tmp_path):
                               "--path", str(bad)], cwd=ROOT, capture_output=True, text=True, timeout=60)
         assert out.returncode == 1 and "the running version keeps serving" in out.stderr, out
         proc.terminate()
-        _, log = proc.communicate(timeout=60)
-        assert proc.returncode == 0, log
+        assert proc.wait(60) == 0
+        q, rest = _lines(proc), []
+        while (line := q.get(timeout=60)) is not None:
+            rest.append(line)
+        log = "".join(rest)
         assert ("ERROR simpledbi.control: reload of 'm' failed: RuntimeError: reload 'm' failed; "
                 "the running version keeps serving: ModelError: model 'm' process 0 failed to load") \
             in log, log

@@ -6,6 +6,7 @@ import asyncio
 import json
 import logging
 import os
+import queue
 import secrets
 import select
 import signal
@@ -39,23 +40,40 @@ def _serve(name: str, *extra: str, env=None) -> subprocess.Popen:
                             stderr=subprocess.PIPE, env={**os.environ, **(env or {})})
 
 
+def _lines(proc: subprocess.Popen) -> "queue.Queue":
+    """The serve process's log (stderr) lines, read by a thread of their own (select() on a
+    buffered text stream misses a line that arrived together with the one before it)."""
+    q = getattr(proc, "_lines", None)
+    if q is None:
+        q = proc._lines = queue.Queue()
+
+        def read():
+            for line in proc.stderr:
+                q.put(line)
+            q.put(None)
+
+        threading.Thread(target=read, daemon=True).start()
+    return q
+
+
 def _wait_for(proc: subprocess.Popen, word: str, timeout: float = 60) -> str:
     """Read the serve process's log (stderr) until a line containing ``word``."""
     seen = []
+    q = _lines(proc)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        ready, _, _ = select.select([proc.stderr], [], [], deadline - time.monotonic())
-        if not ready:
+        try:
+            line = q.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
             break
-        line = proc.stderr.readline()
-        if not line:
+        if line is None:
             break
         seen.append(line)
         if word in line:
             return line
     proc.kill()
     proc.wait(10)
-    raise AssertionError(f"{word!r} never came; log:\n{''.join(seen)}{proc.stderr.read()}")
+    raise AssertionError(f"{word!r} never came; log:\n{''.join(seen)}")
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -169,7 +187,11 @@ def test_serve_drains_accepted_requests_at_sigterm_and_cleans_up(gate):
         assert proc.wait(60) == 0
         client.close()
         assert _gone(reg)
-        assert "Traceback" not in proc.stderr.read()
+        rest = []
+        q = _lines(proc)
+        while (line := q.get(timeout=60)) is not None:
+            rest.append(line)
+        assert "Traceback" not in "".join(rest)
     finally:
         _stop(proc)
 
