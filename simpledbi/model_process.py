@@ -358,6 +358,7 @@ class ModelServer:
                 return
             if st.st_blocks * 512 >= peer.size // 2 and self.engine.register(peer.base, peer.size):
                 peer.registered = peer.base
+                peer.on_remap = self._unregister
 
     def _unregister(self, peer: Peer) -> None:
         if peer.registered:

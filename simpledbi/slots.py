@@ -390,7 +390,7 @@ class Peer:
     sealed against shrinking whose token is the datagram's."""
 
     __slots__ = ("pid", "token", "fd_no", "seg", "base", "u8", "inflight", "answered_at",
-                 "answered_seq", "registered", "_heads", "warned", "__weakref__")
+                 "answered_seq", "registered", "on_remap", "_heads", "warned", "__weakref__")
 
     def __init__(self, pid: int, fd_no: int, token: int, fd: Optional[int] = None):
         self.pid, self.fd_no, self.token = pid, fd_no, token
@@ -414,6 +414,7 @@ class Peer:
         self.answered_at = 0.0   # when this process last answered it ...
         self.answered_seq = -1   # ... and which request
         self.registered = 0      # address registered for DMA (engine), 0 if not
+        self.on_remap = None     # called before the mapping moves (grow): unregister it
         self._heads: dict = {}   # response header prefixes by output signature
         self.warned = False
 
@@ -446,6 +447,8 @@ class Peer:
     def grow(self, size: int) -> None:
         """Extend the client's slot for outputs larger than it (growing only: it is sealed
         against shrinking) and map the new size."""
+        if self.registered and self.on_remap is not None:
+            self.on_remap(self)   # the DMA registration of the old mapping goes first
         self.u8 = None
         if size > os.fstat(self.seg.fd).st_size:
             os.ftruncate(self.seg.fd, size)
