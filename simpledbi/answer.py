@@ -5,16 +5,47 @@ when a batch fails (poison isolation: only the requests that make the model fail
 from __future__ import annotations
 
 import logging
+import queue
+import threading
 import time
 import traceback
 from typing import Callable, List, Sequence
 
 import numpy as np
 
-from .layout import MAX_IO, MAX_NDIM, ST_BAD_REQUEST, ST_MODEL_ERROR, ST_OK, dtype_code
+from . import futex
+from .layout import DONE_OFF, MAX_IO, MAX_NDIM, ST_BAD_REQUEST, ST_MODEL_ERROR, ST_OK, dtype_code
 from .slots import Request, Rows
 
 logger = logging.getLogger(__name__)
+
+
+class _Waker:
+    """Wakes the callers of a batch from a thread of its own (on CUDA): each wake-up is a futex
+    syscall that costs the waker an interrupt to the sleeper's CPU -- 29% of a model process's
+    time at 128 clients on an H200 host, on the serving thread between two batches. Here the
+    syscalls run with the GIL released while the serving thread goes on."""
+
+    def __init__(self):
+        self._todo: "queue.SimpleQueue" = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="simpledbi-waker", daemon=True)
+        self._thread.start()
+
+    def wake(self, addresses: list) -> None:
+        self._todo.put(addresses)
+
+    def _run(self) -> None:
+        wake = futex.wake_released
+        while True:
+            addresses = self._todo.get()
+            if addresses is None:
+                return
+            for address in addresses:
+                wake(address)
+
+    def close(self) -> None:
+        self._todo.put(None)
+        self._thread.join(timeout=5)
 
 
 class Answers:
@@ -27,6 +58,11 @@ class Answers:
         self._gather, self._release, self._count = gather, release, count
         self.isolate = isolate
         self.fatal = False   # the CUDA context is unusable: the process must be replaced
+        self._waker = _Waker() if engine.cuda else None
+
+    def close(self) -> None:
+        if self._waker is not None:
+            self._waker.close()
 
     def batch(self, batch: List[Request], result, t_close: float, total: int, short=(),
               before_wake=None) -> None:
@@ -56,9 +92,17 @@ class Answers:
             if before_wake is not None:
                 before_wake()
         finally:
-            for r in todo:
-                if r.answered:
-                    r.peer.wake(r.seq)
+            if self._waker is not None:
+                addresses = []
+                for r in todo:
+                    if r.answered:
+                        futex.store(r.peer.base + DONE_OFF, r.seq)
+                        addresses.append(r.peer.base + DONE_OFF)
+                self._waker.wake(addresses)
+            else:
+                for r in todo:
+                    if r.answered:
+                        r.peer.wake(r.seq)
 
     def failure(self, batch: List[Request], error: BaseException, t_close: float) -> None:
         """A batch failed: bisect it to find the requests that make the model fail (if isolation

@@ -321,6 +321,7 @@ class ModelServer:
         return self.ctl.model_num > 1 and bool(self._free.any())
 
     def close(self) -> None:
+        self.answers.close()
         self.intake.prune(self._unregister)
         for peer in list(self.intake.peers.values()):
             self._unregister(peer)
@@ -407,7 +408,11 @@ class ModelServer:
 
     def _fill(self, batch: List[Request], c: _Collecting) -> None:
         """Add requests to ``batch``: first those I hold already (oldest first), then what is
-        queued on the socket now -- no more than fits: the rest stays queued for my peers."""
+        queued on the socket now. Once the batch is full, what is queued is still taken, up to
+        one more batch (it goes first next time), unless a peer is idle: the socket's queue is
+        short (net.unix.max_dgram_qlen, 10 by default), and each request taken from a full one
+        wakes a client blocked in send -- at 128 clients, they spent 40% of their time there
+        and the model processes a wake-up per request."""
         c.waiting = 0
         if self.deferred:
             self.deferred.sort(key=attrgetter("t_seen"))
@@ -416,13 +421,21 @@ class ModelServer:
                 self._add(batch, c, r)
         if self.retiring:
             return   # what comes now is for the processes that replaced me
-        intake = self.intake
-        while c.rows < c.limit and not c.waiting and not intake.full:
+        intake, backlog = self.intake, 0
+        while not intake.full:
+            full = c.rows >= c.limit or c.waiting
+            if full and (backlog >= c.limit or self._peer_free()):
+                return
             got = intake.next(0)
             if got is None:
                 return
-            if got is not WAKE:
-                self._took(got)
+            if got is WAKE:
+                continue
+            self._took(got)
+            if full:
+                self.deferred.append(got)
+                backlog += got.rows
+            else:
                 self._add(batch, c, got)
 
     def _collect(self, inflight: Optional[_InFlight] = None) -> List[Request]:
