@@ -32,12 +32,18 @@ class Accounting:
     def add(self, name: str, n: int = 1) -> None:
         self.count_words[_C[name]] += n
 
-    def batch(self, batch, total, t_close, t_scatter, t_end, result) -> None:
-        """Record one answered batch: counters, its stage times in the ring, the histograms."""
+    def count(self, batch, total) -> None:
+        """Count one answered batch (before its callers are woken: stats() after an answer
+        includes it)."""
         c = self.count_words
         c[_C["requests"]] += len(batch)
         c[_C["batches"]] += 1
         c[_C["rows"]] += total
+
+    def record(self, batch, total, t_close, t_scatter, t_end, result) -> None:
+        """Record one answered batch's stage times in the ring and its histograms (after its
+        callers are woken: they do not wait for this)."""
+        c = self.count_words
         head = c[_C["ring_head"]]
         if result is not None:
             tm = result.times

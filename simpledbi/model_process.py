@@ -531,21 +531,23 @@ class ModelServer:
                 error = e
         t_scatter = time.monotonic()
 
-        def settle():  # after the answers are written, before anyone is woken (see Answers.batch)
-            t_end = time.monotonic()
-            try:
-                if error is None:  # what this batch cost, for the batching policy
-                    tm = result.times
-                    self.costs.observe(batch[0].key, total, tm.h2d + tm.forward + tm.d2h
-                                       if self.engine.cuda else t_end - t_close)
-                self.acct.batch(batch, total, t_close, t_scatter, t_end, result)
-            except Exception:  # noqa: BLE001 - bookkeeping never fails a batch, nor the next one
-                if not self._accounting_failed:
-                    self._accounting_failed = True
-                    logger.exception("%s accounting a batch failed (logged once)", self.tag)
+        def count():  # after the answers are written, before anyone is woken (Answers.batch):
+            self.acct.count(batch, total)   # a caller's stats() after its answer includes it
 
         if error is not None:
             self.answers.failure(batch, error, t_close)
-            settle()
+            count()
         else:
-            self.answers.batch(batch, result, t_close, total, flight.gather.short, settle)
+            self.answers.batch(batch, result, t_close, total, flight.gather.short, count)
+        # what the callers do not wait for: the batch's times, histograms and cost sample
+        t_end = time.monotonic()
+        try:
+            if error is None:  # what this batch cost, for the batching policy
+                tm = result.times
+                self.costs.observe(batch[0].key, total, tm.h2d + tm.forward + tm.d2h
+                                   if self.engine.cuda else t_end - t_close)
+            self.acct.record(batch, total, t_close, t_scatter, t_end, result)
+        except Exception:  # noqa: BLE001 - bookkeeping never fails a batch, nor the next one
+            if not self._accounting_failed:
+                self._accounting_failed = True
+                logger.exception("%s accounting a batch failed (logged once)", self.tag)
