@@ -304,8 +304,6 @@ class Runtime:
                         if at <= now and not self._stop.is_set():
                             del self._restart_at[key]
                             self._restart(*key)
-                timeout = max(0.0, min(self._restart_at.values()) - time.monotonic()) \
-                    if self._restart_at else None
                 watch = {self._wake_r: None}
                 for m in list(self.instances.values()) + list(self._retired):  # not a reload's
                     # new processes before the switch: the reload reads their load reports
@@ -317,6 +315,9 @@ class Runtime:
                     watch[m.proc.sentinel] = m       # until its death is handled, not while alive:
                     if m.loading and not m.retiring:  # is_alive() reaps, and a reaped death
                         watch[m.conn] = m            # must still be handled
+                # after the look above: a death it handled has just scheduled a restart
+                timeout = max(0.0, min(self._restart_at.values()) - time.monotonic()) \
+                    if self._restart_at else None
                 for obj in wait(list(watch), timeout=timeout):
                     if obj == self._wake_r:
                         os.read(self._wake_r, 64)
