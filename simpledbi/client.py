@@ -699,8 +699,10 @@ class _Handles:
         try:
             ctl = ControlBlock.attach(namespace, name, readonly=True)
         except OSError as e:
-            # none, or not a control block (something a client put at its path)
-            if e.errno not in (errno.ENOENT, errno.EINVAL, errno.ELOOP, errno.ENXIO, errno.EACCES):
+            if e.errno == errno.EINVAL:   # something else is at its path
+                raise RuntimeError(f"model {name!r}: {e.strerror} (something replaced the link to its "
+                                   f"control block in runtime {namespace})") from None
+            if e.errno not in (errno.ENOENT, errno.ELOOP, errno.ENXIO, errno.EACCES):
                 raise
             try:
                 with os.scandir(os.path.join(SHM_DIR, namespace)) as entries:
@@ -709,13 +711,23 @@ class _Handles:
                 raise LookupError(f"no simpledbi runtime {namespace!r} is running here") from None
             raise LookupError(f"no model named {name!r} in runtime {namespace}; available: "
                               f"{available}") from None
+        path = socket_path(namespace, name)
         try:
+            try:
+                ino = os.stat(path).st_ino
+            except FileNotFoundError:
+                raise RuntimeError(f"model {name!r}: its request socket {path} is missing (removed "
+                                   f"by someone, or the runtime is going away)") from None
+            if ctl.sock_ino and ino != ctl.sock_ino:
+                raise RuntimeError(f"model {name!r}: {path} is not the runtime's request socket "
+                                   f"(something was bound at its path since)")
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
             try:
-                sock.connect(socket_path(namespace, name))
-            except BaseException:
+                sock.connect(path)
+            except OSError as e:
                 sock.close()
-                raise
+                raise RuntimeError(f"model {name!r}: cannot send to its request socket {path}: "
+                                   f"{e.strerror}") from None
         except BaseException:
             ctl.close()
             raise

@@ -61,6 +61,7 @@ class Intake:
         self.count: Callable[..., None] = lambda name, n=1: None   # accounting's counters
         self.on_bad: Callable[[Peer, str], None] = lambda peer, text: None
         self.on_new_peer: Callable[[Peer], None] = lambda peer: None
+        self.on_drop: Callable[[Peer], None] = lambda peer: None   # before a peer's slot is unmapped
 
     # ------------------------------------------------------------ receiving
     @property
@@ -153,7 +154,7 @@ class Intake:
 
     def _open(self, pid: int, fd_no: int, token: int, fd: Optional[int]) -> Optional[Peer]:
         if len(self.peers) >= self.max_clients:
-            self.prune()
+            self.prune(self.on_drop)
         try:
             peer = Peer(pid, fd_no, token, os.dup(fd) if fd is not None else None)
         except (OSError, ValueError) as e:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 import struct
 import zlib
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -91,7 +91,8 @@ HEADER = np.dtype([
     ("broken_code", "<i8"), ("msg_len", "<i8"), ("bank", "<i8"), ("spec_len", "<i8"),
     ("deaths", "<i8"),      # model processes of this model found dead so far (by the supervisor)
     ("held_cap", "<i8"),    # HELD rows per instance: the most requests a model process holds
-    ("reserved", "<i8", (2,)),
+    ("sock_ino", "<i8"),    # the inode of the model's request socket (clients check it)
+    ("reserved", "<i8", (1,)),
 ])
 # Instance rows come in two banks of model_num: a rolling reload starts the new processes in the
 # other bank (while the current ones serve), then switches ``bank`` and retires the old ones.
@@ -200,8 +201,12 @@ class ControlBlock:
         return ctl
 
     @classmethod
-    def attach(cls, namespace: str, model: str, readonly: bool = True) -> "ControlBlock":
-        seg = Segment.attach(ctl_path(namespace, model), readonly=readonly)
+    def attach(cls, namespace: str, model: str, readonly: bool = True, fd: Optional[int] = None) -> "ControlBlock":
+        """Map the control block of ``model``: through its link in the namespace (clients), or
+        the descriptor ``fd`` the runtime handed a child (model processes: a link a client
+        replaced cannot keep them from starting)."""
+        seg = Segment.attach(ctl_path(namespace, model), readonly=readonly) if fd is None else \
+            Segment.from_fd(fd, ctl_path(namespace, model), readonly=readonly)
         head = seg.ndarray(0, HEADER, (1,))[0]
         magic, version = int(head["magic"]), int(head["version"])
         held, model_num = int(head["held_cap"]), int(head["model_num"])
@@ -211,6 +216,11 @@ class ControlBlock:
             seg.close()
             raise RuntimeError(f"{seg.path} is not a simpledbi v{VERSION} control block")
         return cls(seg, held, model_num)
+
+    @property
+    def sock_ino(self) -> int:
+        """The inode of the model's request socket, as the runtime bound it (0: not yet)."""
+        return int(self.hdr["sock_ino"])
 
     @property
     def max_slots(self) -> int:

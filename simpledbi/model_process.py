@@ -36,6 +36,7 @@ from .interrupts import ignore_ctrl_c
 from .layout import (BROKEN, DRAINING, HEADER, INST_DEAD, INST_READY, INST_RETIRING, INSTANCE,
                      ST_INTERNAL, ST_STOPPED, STOPPING, ControlBlock, words)
 from .logs import install_child_handler
+from .shm import inherited_fd
 from .slots import Limits, Peer, Request
 
 logger = logging.getLogger(__name__)
@@ -80,9 +81,9 @@ def _raise_fd_limit() -> None:
         pass
 
 
-def model_process_main(spec: ModelProcessSpec, conn, sock) -> None:
+def model_process_main(spec: ModelProcessSpec, conn, sock, ctl_fd) -> None:
     """Child entry point. Reports ("ready", info) or ("failed", ...) on ``conn``; ``sock`` is
-    the model's request socket."""
+    the model's request socket, ``ctl_fd`` its control block (shm.InheritedFd)."""
     os.environ.update(spec.env)  # first: the CUDA driver reads CUDA_MPS_* once, when it initialises
     install_child_handler(spec.log_conn, f"<{spec.config.name}|{spec.instance}>", spec.log_level)
     ignore_ctrl_c()  # the parent decides when to stop (NOTE [Ctrl-C and children])
@@ -90,7 +91,7 @@ def model_process_main(spec: ModelProcessSpec, conn, sock) -> None:
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>` dumps stacks
     _raise_fd_limit()
     try:
-        server = ModelServer(spec, sock)
+        server = ModelServer(spec, sock, inherited_fd(ctl_fd))
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises
         try:
             conn.send(("failed", f"{type(e).__name__}: {safe_str(e)}", traceback.format_exc()))
@@ -146,7 +147,7 @@ class ModelServer:
     """One model process: its engine, its intake (the socket and the slots it maps), the batch
     being collected and the one on the device."""
 
-    def __init__(self, spec: ModelProcessSpec, sock):
+    def __init__(self, spec: ModelProcessSpec, sock, ctl_fd: int):
         from .engine import Engine, Gather  # torch is imported only in model processes
         self._Gather = Gather
         self.spec = spec
@@ -155,7 +156,7 @@ class ModelServer:
         self.pid = os.getpid()
         self.tag = f"<{cfg.name}|{self.me}>"
         self.poll = spec.options.poll_interval
-        self.ctl = ControlBlock.attach(spec.namespace, cfg.name, readonly=False)
+        self.ctl = ControlBlock.attach(spec.namespace, cfg.name, readonly=False, fd=ctl_fd)
         inst = self.ctl.all_instances[self.me]
         inst["pid"], inst["t_start"] = self.pid, time.time()
         self.engine = Engine(cfg, self.me % cfg.model_num, spec.cpu_model_procs)
@@ -176,6 +177,7 @@ class ModelServer:
                              int(self.ctl.hdr["supervisor_pid"]))
         self.intake.on_bad = self._on_bad
         self.intake.on_new_peer = self._register
+        self.intake.on_drop = self._unregister
         self.acct = Accounting(self.ctl, self.me, self.policy.latency_target)
         self.intake.count = self.acct.add
         self.answers = Answers(self.tag, self.me, self.engine, self._gather, self._release,

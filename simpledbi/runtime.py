@@ -51,7 +51,7 @@ from .layout import (
     ST_STOPPED, STOPPING, ControlBlock, socket_path,
 )
 from .model_process import ModelProcessSpec, model_process_main
-from .shm import new_namespace, sweep_dead_namespaces, sweep_namespace
+from .shm import InheritedFd, new_namespace, sweep_dead_namespaces, sweep_namespace
 from .worker import worker_main
 
 logger = logging.getLogger(__name__)
@@ -170,6 +170,8 @@ class Runtime:
                 sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
                 self.sockets[cfg.name] = sock
                 sock.bind(socket_path(self.namespace, cfg.name))
+                # clients check they connect to this very socket (not one bound at its path since)
+                self.ctls[cfg.name].hdr["sock_ino"] = os.stat(socket_path(self.namespace, cfg.name)).st_ino
                 # Every datagram says which process sent it: the kernel's word (intake.py)
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
             self._cpu_procs = sum(m.model_num for m in self.models
@@ -233,7 +235,9 @@ class Runtime:
         spec = ModelProcessSpec(self.namespace, cfg, row, self.options, os.getpid(), self._cpu_procs,
                                 self.mps.env, log_w, logging.getLogger("simpledbi").getEffectiveLevel(),
                                 standby)
-        proc = self.ctx.Process(target=model_process_main, args=(spec, child_end, self.sockets[cfg.name]),
+        proc = self.ctx.Process(target=model_process_main,
+                                args=(spec, child_end, self.sockets[cfg.name],
+                                      InheritedFd(self.ctls[cfg.name].seg.fd)),
                                 name=f"simpledbi-{cfg.name}-{instance}", daemon=False)
         try:
             with children_deaf_to_ctrl_c():   # NOTE [Ctrl-C and children]

@@ -107,6 +107,15 @@ class Segment:
             os.close(fd)
             raise
 
+    @classmethod
+    def from_fd(cls, fd: int, path: str, readonly: bool = True) -> "Segment":
+        """Map the memfd open at ``fd`` (this segment owns the descriptor from now on)."""
+        try:
+            return cls(fd, check_sealed(fd, path), path, readonly)
+        except BaseException:
+            os.close(fd)
+            raise
+
     @property
     def buf(self) -> mmap.mmap:
         if self._mmap is None:
@@ -124,20 +133,20 @@ class Segment:
             os.ftruncate(self.fd, size)
             self._replace_mapping(size)
 
-    def remap(self) -> None:
-        """Map the memfd at its current size (after another process extended it)."""
-        size = os.fstat(self.fd).st_size
+    def map_at_least(self, size: int) -> None:
+        """Map ``size`` bytes of the memfd (at least as many as now): the new mapping is made
+        before the old one goes, so a failure (a size the address space cannot hold) leaves the
+        old one in place."""
         if size > self.size:
             self._replace_mapping(size)
 
     def _replace_mapping(self, size: int) -> None:
+        new = mmap.mmap(self.fd, size, access=mmap.ACCESS_READ if self.readonly else mmap.ACCESS_WRITE)
+        old, self._mmap, self.size = self._mmap, new, size
         try:
-            self._mmap.close()
+            old.close()
         except BufferError:
             pass  # someone still holds a view of the old mapping: it lives until they drop it
-        self._mmap = mmap.mmap(self.fd, size, access=mmap.ACCESS_READ if self.readonly
-                               else mmap.ACCESS_WRITE)
-        self.size = size
 
     def close(self) -> None:
         if self._mmap is not None:
@@ -150,6 +159,28 @@ class Segment:
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
+
+
+class InheritedFd:
+    """A descriptor handed to a child process at its start: with ``spawn``, multiprocessing
+    duplicates it into the child, which gets a descriptor number of its own
+    (:func:`inherited_fd`); with ``fork``, the child has it already."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def __reduce__(self):
+        from multiprocessing import reduction
+        return _rebuild_fd, (reduction.DupFd(self.fd),)
+
+
+def _rebuild_fd(dup) -> int:
+    return dup.detach()
+
+
+def inherited_fd(obj) -> int:
+    """The descriptor an :class:`InheritedFd` became in this (child) process."""
+    return os.dup(obj.fd) if isinstance(obj, InheritedFd) else obj
 
 
 def check_sealed(fd: int, what: str) -> int:

@@ -258,7 +258,7 @@ class ClientSlot:
         w = self._rw
         if w[_RS_NEEDED] > self.seg.size:  # the model process extended the slot (large outputs)
             self._drop_views()
-            self.seg.remap()
+            self.seg.map_at_least(w[_RS_NEEDED])
             self._map_views()
         n_out = w[_RS_NOUT]
         if not 1 <= n_out <= MAX_IO:
@@ -446,15 +446,21 @@ class Peer:
 
     def grow(self, size: int) -> None:
         """Extend the client's slot for outputs larger than it (growing only: it is sealed
-        against shrinking) and map the new size."""
-        if self.registered and self.on_remap is not None:
-            self.on_remap(self)   # the DMA registration of the old mapping goes first
-        self.u8 = None
+        against shrinking) and map ``size`` bytes of it -- exactly what the answer needs, not
+        the file's size (its client may have grown it to a petabyte). If the new mapping cannot
+        be made, the old one stays and this raises (the answer becomes an error)."""
         if size > os.fstat(self.seg.fd).st_size:
             os.ftruncate(self.seg.fd, size)
-        self.seg.remap()
-        self.u8 = self.seg.ndarray(0, np.uint8, (self.seg.size,))
-        self.base = self.u8.ctypes.data
+        if self.registered and self.on_remap is not None:
+            self.on_remap(self)   # the DMA registration of the old mapping goes first
+        u8 = self.u8
+        self.u8 = None            # (a view would keep the old mapping exported)
+        try:
+            self.seg.map_at_least(size)
+        finally:
+            del u8
+            self.u8 = self.seg.ndarray(0, np.uint8, (self.seg.size,))
+            self.base = self.u8.ctypes.data
 
     def respond(self, seq: int, status: int, text: str = "", outputs: Sequence[np.ndarray] = (),
                 out_offset: int = 0, structure: int = 0, claimer: int = 0, t_close: float = 0.0,

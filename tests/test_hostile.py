@@ -361,6 +361,72 @@ def test_a_client_cannot_shrink_its_own_slot(start_runtime):
     assert _pids(rt, "affine") == pids
 
 
+def test_a_slot_grown_to_a_petabyte_costs_nobody_anything(start_runtime):
+    """A client grows its own slot to 1 PiB of holes (the seals allow growing), then asks for
+    outputs larger than its slot: the model process maps only what the answer needs (mapping
+    the whole file failed and left it writing through an unmapped address: SIGSEGV)."""
+    rt = start_runtime(cpu_model("expand", models.expand, max_batch_size=4, wait_time=0.001))
+    pids = _pids(rt, "expand")
+    with SharedModel("expand", max_shape=(4, 16), namespace=rt.namespace) as m:
+        x = np.ones((1, 16), np.float32)
+        assert m.forward(x, timeout=10).shape == (1, 1024)
+        os.ftruncate(m._h.idle[0].seg.fd, 1 << 50)
+        x = np.arange(64, dtype=np.float32).reshape(4, 16)
+        np.testing.assert_array_equal(m.forward(x, timeout=10), np.repeat(x, 64, axis=1))
+    with SharedModel("expand", max_shape=(4, 16), namespace=rt.namespace) as honest:
+        x = np.full((4, 16), 2.0, np.float32)
+        np.testing.assert_array_equal(honest.forward(x, timeout=10), np.repeat(x, 64, axis=1))
+    assert _pids(rt, "expand") == pids
+
+
+def test_what_a_client_puts_at_the_runtimes_paths_hangs_nobody_and_stops_no_restart(start_runtime):
+    """A same-user process removes the model's socket, binds one of its own at its path, or
+    replaces the link to its control block: new clients get a clear error at once (they
+    waited forever on the impostor socket), attached clients go on, and a model process that
+    dies is restarted (a restarted process reopened the control block by its path: never again)."""
+    rt = start_runtime(cpu_model("affine", models.affine, max_batch_size=4, wait_time=0.001,
+                                 restart_backoff=0.01))
+    d = os.path.join("/dev/shm", rt.namespace)
+    x = np.ones((1, 2), np.float32)
+    with SharedModel("affine", max_shape=(1, 2), namespace=rt.namespace) as attached:
+        attached.forward(x)
+        sock_path = os.path.join(d, "affine.sock")
+        os.rename(sock_path, sock_path + ".real")
+        with pytest.raises(RuntimeError, match="request socket .* is missing"):
+            SharedModel("affine", max_shape=(1, 2), namespace=rt.namespace)
+        impostor = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        impostor.bind(sock_path)
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(RuntimeError, match="not the runtime's request socket"):
+                SharedModel("affine", max_shape=(1, 2), namespace=rt.namespace)
+            assert time.monotonic() - t0 < 5
+        finally:
+            impostor.close()
+            os.unlink(sock_path)
+            os.rename(sock_path + ".real", sock_path)
+        ctl_path = os.path.join(d, "affine.ctl")
+        target = os.readlink(ctl_path)
+        os.unlink(ctl_path)
+        with open(ctl_path, "wb") as f:
+            f.write(bytes(4096))
+        try:
+            with pytest.raises(RuntimeError, match="not a sealed simpledbi memfd"):
+                SharedModel("affine", max_shape=(1, 2), namespace=rt.namespace)
+            old = _pids(rt, "affine")[0]
+            os.kill(old, signal.SIGKILL)
+            _wait_for(lambda: rt.ctls["affine"].instances["restarts"].sum() == 1 and
+                      shm.pid_alive(_pids(rt, "affine")[0]) and _pids(rt, "affine")[0] != old and
+                      int(rt.ctls["affine"].instances["state"][0]) == 1, timeout=120)
+            for v in range(5):
+                y = np.full((1, 2), float(v), np.float32)
+                np.testing.assert_array_equal(attached.forward(y, timeout=30), y * 2 + 1)
+        finally:
+            os.unlink(ctl_path)
+            os.symlink(target, ctl_path)
+    _honest(rt, "affine")
+
+
 _EVIL = [0, 1, -1, 7, 2**31, 2**31 - 1, 2**40, 2**62, 2**63 - 1, -2**63, 10**6, 1000,
          int(np.float64(np.nan).view(np.int64)), int(np.float64(np.inf).view(np.int64))]
 
