@@ -491,6 +491,11 @@ class SharedModel:
             self._check_alive(h, slot, seq)
         status, text, structure = slot.response()
         if status != ST_OK:
+            if status == ST_STOPPED and self.runtime is not None:
+                # the runtime stopped before computing it (what a model process or the runtime
+                # answers then never ran): attached by name, the call goes to the successor
+                h.gone = True
+                raise _Resend()
             self._raise_status(status, text)
         outs = slot.outputs()
         out_names = slot.output_names() if structure >= OUT_DICT else b""
