@@ -19,7 +19,7 @@ from .interrupts import ignore_ctrl_c
 from .layout import STOPPING, ControlBlock
 from .mps import PrivateDaemon
 from .naming import unregister
-from .shm import SHM_DIR, sweep_namespace
+from .shm import sweep_namespace
 
 
 def janitor_main(namespace: str, conn, grace: float) -> None:

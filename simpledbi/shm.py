@@ -30,9 +30,8 @@ import mmap
 import os
 import re
 import secrets
-import stat
 import time
-from typing import List, Optional, Tuple
+from typing import Optional, Tuple
 
 import numpy as np
 

@@ -53,7 +53,7 @@ import socket
 import struct
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -62,7 +62,7 @@ from . import futex
 from .layout import (
     CLAIM_OFF, CLOSED_OFF, DATA_OFFSET, DONE_OFF, DTYPES, ERR_BYTES, ERR_OFF, INPUT_HEAD,
     LAYOUT_HEAD, MAX_DIM, MAX_IO, MAX_NDIM, NAMES_BYTES, NAMES_OFF, PUB_SEQ_OFF, REQ_MAGIC,
-    REQ_PREFIX, RESP_OFF, RESP_SEQ_OFF, RESP_WORD, RESPONSE, SEG_MAGIC_OFF, SEG_TOKEN_OFF,
+    REQ_PREFIX, RESP_OFF, RESP_SEQ_OFF, RESP_WORD, RESPONSE, SEG_MAGIC_OFF,
     ST_BAD_REQUEST, ST_OK, TICKET_OFF, MAGIC, align, code_dtype, dtype_code, shape_key,
 )
 from .shm import Segment, check_sealed

@@ -34,7 +34,7 @@ def test_a_segment_is_a_memfd_nobody_can_resize_and_attach_refuses_anything_else
 
 
 def test_max_shape_larger_than_memory_is_refused_up_front_naming_the_size():
-    from simpledbi.client import _check_slot_size
+    from simpledbi.inputs import _check_slot_size
     import numpy as np
     for shape in ((1, 2**40, 2**40), (1, 10**12), (2**64,)):
         with pytest.raises(ValueError, match=r"needs a slot of [\d,]+ bytes .* more than this machine's memory"):

@@ -1,0 +1,140 @@
+"""Rolling reloads: a model's processes replaced without a failed request. A part of
+:class:`simpledbi.runtime.Runtime` (its state), in a module of its own.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from typing import Optional
+
+from .config import ModelConfig
+from .errors import RuntimeStopped
+from .layout import INST_DEAD, INST_LOADING, INST_RETIRING, RUNNING, ControlBlock
+from . import sources
+from .supervisor import _exited, _ModelProc
+
+logger = logging.getLogger("simpledbi.runtime")
+
+
+class Reloads:
+    """``Runtime.reload`` (a mixin of Runtime)."""
+
+    # ------------------------------------------------------------ rolling reload
+    def reload(self, model: str, path: Optional[str] = None, timeout: float = 60.0) -> ModelConfig:
+        """Replace the processes of ``model`` (with the model at ``path`` -- a file, or a factory
+        by import path ``"module:function"`` -- else the same source loaded again) without failing
+        a request: start new processes in the other bank of the control block while the current
+        ones serve (loaded, they claim nothing yet), switch, then let the old ones answer what
+        they took and exit (terminated after ``timeout`` seconds). If a new process fails to
+        load, the new ones are stopped -- they hold nothing -- and the current version keeps
+        serving; the error is raised. Holds both versions in memory meanwhile."""
+        if not (isinstance(timeout, (int, float)) and not isinstance(timeout, bool)
+                and 0 < timeout <= 3600):
+            raise ValueError(f"reload timeout: expected 0 < seconds <= 3600, got {timeout!r}")
+        with self._reload_lock:
+            idx = next((k for k, c in enumerate(self.models) if c.name == model), None)
+            if idx is None:
+                raise LookupError(f"no model named {model!r}; this runtime serves "
+                                  f"{[c.name for c in self.models]}")
+            cfg = self.models[idx]
+            if path is not None:   # a model file, or a factory by import path "module:function"
+                try:
+                    kind, source = sources.resolve(os.fspath(path))
+                except FileNotFoundError as e:
+                    raise FileNotFoundError(f"reload {model!r}: {e}") from None
+                except ValueError as e:
+                    raise ValueError(f"reload {model!r}: {e}") from None
+                if kind == "path":
+                    cfg = dataclasses.replace(cfg, path=source, factory=None)
+                else:
+                    cfg = dataclasses.replace(cfg, path=None, factory=sources.ship(
+                        model, source, self.ctx.get_start_method()))
+            ctl = self.ctls[model]
+            if ctl.state != RUNNING:
+                raise RuntimeError(f"reload {model!r}: the model is {ctl.state_name}, not running")
+            n = cfg.model_num
+            bank = 1 - (int(ctl.hdr["bank"]) & 1)
+            rows = range(bank * n, (bank + 1) * n)
+            for r in rows:
+                ctl.all_instances[r] = 0
+                ctl.all_instances[r]["state"] = INST_LOADING
+            with self._lifecycle_lock:
+                if self._stop.is_set():
+                    raise RuntimeStopped(f"reload {model!r}: the runtime is stopping")
+                fresh = [self._spawn_model(cfg, i, row=rows[i], standby=True) for i in range(n)]
+                self._loading = fresh          # shutdown stops these too
+            try:
+                self._await_models(fresh)
+            except BaseException as e:
+                with self._lifecycle_lock:
+                    stopping = self._stop.is_set()   # then shutdown stops them (_loading)
+                    if not stopping:
+                        self._loading = []
+                if stopping:
+                    raise RuntimeStopped(f"reload {model!r}: the runtime stopped meanwhile") from e
+                for m in fresh:  # on standby or still loading: they hold no request
+                    m.proc.kill()
+                    m.proc.join(self.options.join_timeout)
+                    self._forget(m)
+                for r in rows:
+                    ctl.all_instances[r]["state"] = INST_DEAD
+                raise RuntimeError(f"reload {model!r} failed; the running version keeps serving: "
+                                   f"{type(e).__name__}: {e}") from e
+            with self._lifecycle_lock:
+                if self._stop.is_set():
+                    raise RuntimeStopped(f"reload {model!r}: the runtime stopped meanwhile")
+                self._loading = []
+                old = [self.instances[(model, i)] for i in range(n)]
+                for i, m in enumerate(fresh):
+                    self.instances[(model, i)] = m
+                    self._restart_at.pop((model, i), None)
+                self.models[idx] = cfg
+                ctl.hdr["bank"] = bank          # the new processes start claiming (await_switch)
+                for m in old:
+                    m.retiring = True
+                    self._retire(ctl, m)
+            self._wake_model_processes(model, 2 * n)   # old ones see they retire
+            logger.info("model %r reloaded%s: %d new process(es) serve; the old ones finish what "
+                        "they took", model, f" from {path}" if path else "", n)
+            deadline = time.monotonic() + timeout
+            for m in old:
+                while not self._stop.is_set() and not _exited(m) and time.monotonic() < deadline:
+                    try:
+                        m.proc.join(min(0.5, max(0.0, deadline - time.monotonic())))
+                    except ValueError:  # reaped and closed by the supervisor meanwhile
+                        break
+            for m in old:
+                if not self._stop.is_set() and not _exited(m):
+                    logger.warning("model %r: old process %d (pid %d) did not finish within %.0f s; "
+                                   "terminating it", model, m.instance, m.proc.pid, timeout)
+                    m.proc.terminate()
+                    m.proc.join(self.options.join_timeout)
+            return cfg
+
+    def _retire(self, ctl: ControlBlock, m: _ModelProc) -> None:
+        """(Under _lifecycle_lock.) Old process ``m`` claims nothing more, answers what it took
+        and exits; the supervisor reaps it (_on_model_exit) and forgets it."""
+        if ctl.all_instances[m.row]["state"] != INST_DEAD:
+            ctl.all_instances[m.row]["state"] = INST_RETIRING
+        ctl.all_instances[m.row]["free"] = 0
+        self._retired.append(m)
+        try:
+            os.write(self._wake_w, b"r")  # the supervisor watches its exit from now on
+        except OSError:
+            pass
+
+    def _forget(self, m: _ModelProc) -> None:
+        """A process that exited and was handled: release its pipe and handle (a long-lived
+        runtime reloads many times)."""
+        with self._lifecycle_lock:
+            if m in self._retired:
+                self._retired.remove(m)
+        self._tell_janitor("gone", m.proc.pid)
+        try:
+            if not m.conn.closed:
+                m.conn.close()
+            m.proc.close()
+        except (OSError, ValueError):
+            pass
