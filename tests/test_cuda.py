@@ -130,7 +130,7 @@ def test_cuda_a_new_batch_size_is_padded_to_one_already_run_then_run_when_quiet(
 
 def test_cuda_a_padded_size_under_constant_load_is_run_once_its_padding_cost_a_few_batches(start_runtime):
     """No quiet moment ever comes: the size is bought once its padding rows reach the budget."""
-    from simpledbi.engine import PAD_BUDGET_BATCHES
+    from simpledbi.graphs import PAD_BUDGET_BATCHES
     rt = start_runtime(ModelConfig(name="rows", factory=models.rows_run, max_batch_size=32, device="cuda",
                                    wait_time=0.0))
     with SharedModel("rows", max_shape=(20, 4), namespace=rt.namespace) as model:
