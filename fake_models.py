@@ -67,10 +67,14 @@ def export(name: str, out_dir: str = "models", fmt: str = "torchscript", file_na
     """Write model ``name`` as TorchScript (``.pt``, traced) and/or torch.export (``.pt2``) files
     with a dynamic batch dimension; returns the paths written."""
     import torch
+    return write(build(name), torch.randn(2, *item_shape(name)), out_dir, fmt, file_name or name)
+
+
+def write(model, example, out_dir: str, fmt: str, file_name: str) -> list:
+    """Trace ``model`` on ``example`` into ``out_dir/file_name.pt`` (TorchScript) and/or export it
+    into ``.pt2`` (torch.export), with a dynamic batch dimension; returns the paths written."""
+    import torch
     os.makedirs(out_dir, exist_ok=True)
-    file_name = file_name or name
-    model = build(name)
-    example = torch.randn(2, *item_shape(name))
     paths = []
     with torch.no_grad(), warnings.catch_warnings():
         # TorchScript is deprecated in recent torch but still what many deployments load.

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import os
 import time
-import warnings
 
 import torch
 from torch import nn
@@ -119,24 +118,9 @@ def build_tiny(seed: int = 0) -> nn.Module:
 
 def export(out_dir: str, fmt: str = "both", tiny: bool = False, name: str = "resnet50") -> list:
     """Write the model; returns the paths written."""
-    os.makedirs(out_dir, exist_ok=True)
+    from fake_models import write   # beside this file
     model = build_tiny() if tiny else build_resnet50()
-    example = torch.randn(2, 3, 224, 224)
-    paths = []
-    with torch.no_grad(), warnings.catch_warnings():
-        # TorchScript is deprecated in recent torch but still what many deployments load.
-        warnings.simplefilter("ignore", DeprecationWarning)
-        if fmt in ("both", "torchscript"):
-            path = os.path.join(out_dir, f"{name}.pt")
-            torch.jit.save(torch.jit.trace(model, example), path)
-            paths.append(path)
-        if fmt in ("both", "export"):
-            path = os.path.join(out_dir, f"{name}.pt2")
-            batch = torch.export.Dim("batch", min=1, max=4096)
-            ep = torch.export.export(model, (example,), dynamic_shapes={"x": {0: batch}})
-            torch.export.save(ep, path)
-            paths.append(path)
-    return paths
+    return write(model, torch.randn(2, 3, 224, 224), out_dir, fmt, name)
 
 
 def main():
