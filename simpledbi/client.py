@@ -33,7 +33,7 @@ from .config import MODEL_NAME_RE
 from . import stats as _stats
 from .errors import ModelError, ModelProcessDied, RuntimeStopped, RuntimeUnavailable
 from .errors import SlotsExhausted
-from .layout import (BROKEN, OUT_DICT, OUT_TENSOR, OUT_TUPLE, ST_BAD_REQUEST, ST_DIED, ST_FULL,
+from .layout import (BROKEN, OUT_DICT, OUT_TENSOR, OUT_TUPLE, ST_BAD_REQUEST, ST_DIED, ST_EXPIRED, ST_FULL,
     ST_INTERNAL, ST_MODEL_ERROR, ST_OK, ST_STOPPED, STOPPING, ControlBlock, decode_names,
     socket_path)
 from .shm import SHM_DIR, pid_alive
@@ -278,13 +278,22 @@ class SharedModel(Inputs):
         process has taken it yet, else abandons its result (its slot is lent again once the
         answer has arrived)."""
         loop = asyncio.get_running_loop()
-        call = functools.partial(self._forward_keeping_last, inputs, timeout, kw_inputs)
-        out, timing = await loop.run_in_executor(_async_executor(), call)
+        cancel = _Cancel()
+        call = functools.partial(self._forward_keeping_last, inputs, timeout, kw_inputs, cancel)
+        try:
+            out, timing = await loop.run_in_executor(_async_executor(), call)
+        except asyncio.CancelledError:
+            cancel.cancel()   # the waiting thread takes the request back, if nobody took it yet
+            raise
         self._last.set(timing)  # in this task's context: last_timing() in the task sees its own
         return out
 
-    def _forward_keeping_last(self, inputs, timeout, kw_inputs):
-        out = self.forward(*inputs, timeout=timeout, **kw_inputs)
+    def _forward_keeping_last(self, inputs, timeout, kw_inputs, cancel: "_Cancel"):
+        _CANCEL.set(cancel)   # this executor thread's own context: _call finds it
+        try:
+            out = self.forward(*inputs, timeout=timeout, **kw_inputs)
+        finally:
+            _CANCEL.set(None)
         return out, self._last.get(None)   # set by this executor thread's own call
 
     def last_timing(self) -> dict:
@@ -328,6 +337,16 @@ class SharedModel(Inputs):
               names: int = 0, positions: Optional[Tuple[int, ...]] = None):
         if h.ctl.state >= STOPPING:
             self._raise_runtime_state(h, slot)
+        cancel = _CANCEL.get()
+        if cancel is None:
+            return self._publish_and_wait(h, slot, arrays, deadline, names, positions)
+        cancel.watch(slot)
+        try:
+            return self._publish_and_wait(h, slot, arrays, deadline, names, positions)
+        finally:
+            cancel.unwatch()   # before the slot is lent to another call
+
+    def _publish_and_wait(self, h: "_Handles", slot: ClientSlot, arrays, deadline, names, positions):
         try:
             seq = slot.publish(arrays, names, positions, deadline or 0.0)
             sent = True
@@ -384,6 +403,9 @@ class SharedModel(Inputs):
             if slot.interrupted:
                 if not slot.withdraw():
                     slot.stale_seq = seq
+                if slot.cancelled:
+                    slot.interrupted = slot.cancelled = False   # the slot serves the next call
+                    raise RuntimeStopped(f"model {self.name!r}: the awaiting task was cancelled")
                 raise RuntimeStopped(f"SharedModel({self.name!r}) was closed while this call waited")
             self._check_alive(h, slot, seq)
         status, text, structure = slot.response()
@@ -469,7 +491,44 @@ class SharedModel(Inputs):
             raise ModelProcessDied(f"model {self.name!r}: {text}")
         if status == ST_FULL:
             raise SlotsExhausted(f"model {self.name!r}: {text}")
+        if status == ST_EXPIRED:
+            raise TimeoutError(f"model {self.name!r}: no result within the timeout ({text})")
         raise ModelProcessDied(f"model {self.name!r}: unknown response status {status}: {text}")
+
+#: In an executor thread of forward_async: the call's cancellation handle (_Cancel).
+_CANCEL: contextvars.ContextVar = contextvars.ContextVar("simpledbi_cancel", default=None)
+
+
+class _Cancel:
+    """Cancelling a forward_async task: the thread waiting for its answer is woken and takes
+    the request back if no model process took it yet (it then never reaches the model)."""
+
+    def __init__(self):
+        self.slot = None
+        self.cancelled = False
+        self._lock = threading.Lock()
+
+    def watch(self, slot: ClientSlot) -> None:
+        with self._lock:
+            self.slot = slot
+            if self.cancelled:
+                slot.interrupted = slot.cancelled = True
+
+    def unwatch(self) -> None:
+        with self._lock:
+            slot, self.slot = self.slot, None
+            if slot is not None:
+                slot.interrupted = slot.cancelled = False
+
+    def cancel(self) -> None:
+        with self._lock:
+            self.cancelled = True
+            slot = self.slot
+            if slot is not None:
+                slot.interrupted = slot.cancelled = True
+        if slot is not None:
+            slot.wake()
+
 
 class _Resend(Exception):
     """Internal: the runtime went away before any model process took the request (it was taken

@@ -109,7 +109,7 @@ HELD = np.dtype([("fd", "<i8"), ("token", "<u8"), ("seq", "<i8"), ("pid", "<i8")
 COUNTERS = np.dtype([
     ("requests", "<i8"), ("batches", "<i8"), ("rows", "<i8"), ("errors", "<i8"),
     ("ring_head", "<i8"), ("isolated", "<i8"), ("bad_requests", "<i8"), ("over_target", "<i8"),
-    ("withdrawn", "<i8"), ("reserved", "<i8", (7,)),   # 128 bytes a row
+    ("withdrawn", "<i8"), ("expired", "<i8"), ("reserved", "<i8", (6,)),   # 128 bytes a row
 ])
 # batch record fields (seconds unless noted): where a batch's time went
 B_FIELDS = ("t_close", "rows", "requests", "queue_wait", "gather", "h2d", "forward", "d2h",
@@ -354,7 +354,7 @@ DATA_OFFSET = ERR_OFF + ERR_BYTES
 assert NAMES_BYTES >= 2048 and RESP_SEQ_OFF + 8 <= ERR_OFF
 
 # response status
-ST_OK, ST_MODEL_ERROR, ST_BAD_REQUEST, ST_STOPPED, ST_INTERNAL, ST_DIED, ST_FULL = 0, 1, 2, 3, 4, 5, 6
+ST_OK, ST_MODEL_ERROR, ST_BAD_REQUEST, ST_STOPPED, ST_INTERNAL, ST_DIED, ST_FULL, ST_EXPIRED = range(8)
 # output structure: a tensor, a tuple (or list), a dict (keys in the names), a namedtuple (type
 # name and fields in the names)
 OUT_TENSOR, OUT_TUPLE, OUT_DICT, OUT_NAMEDTUPLE = 0, 1, 2, 3

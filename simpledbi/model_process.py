@@ -34,7 +34,7 @@ from .config import ModelConfig, RuntimeOptions
 from .intake import WAKE, Intake
 from .interrupts import ignore_ctrl_c
 from .layout import (BROKEN, DRAINING, HEADER, INST_DEAD, INST_READY, INST_RETIRING, INSTANCE,
-                     ST_INTERNAL, ST_STOPPED, STOPPING, ControlBlock, words)
+                     ST_EXPIRED, ST_INTERNAL, ST_STOPPED, STOPPING, ControlBlock, words)
 from .logs import install_child_handler
 from .shm import inherited_fd
 from .slots import Limits, Peer, Request
@@ -478,7 +478,18 @@ class ModelServer:
                 self._fill(batch, c)
             elif got is WAKE and self._hdr_words[_H_STATE] >= STOPPING:
                 break
-        return batch
+        return self._drop_expired(batch)
+
+    def _drop_expired(self, batch: List[Request]) -> List[Request]:
+        """Requests whose caller's deadline has passed (its call ended with TimeoutError) are
+        answered so, not run: a model past its capacity spends nothing on answers nobody reads."""
+        now = time.monotonic()
+        late = [r for r in batch if 0.0 < r.deadline <= now]
+        if not late:
+            return batch
+        self.answers.fail(late, ST_EXPIRED, "the call's timeout passed before its batch ran")
+        self.acct.add("expired", len(late))
+        return [r for r in batch if not 0.0 < r.deadline <= now]
 
     # ------------------------------------------------------------ one batch
     def _gather(self, batch: List[Request]):

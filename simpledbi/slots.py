@@ -104,7 +104,8 @@ class ClientSlot:
         self.stale_seq = 0          # a timed-out request a model process still owes an answer to
         self.woken = 0.0
         self.withdrawn = 0          # the last seq taken back before any model process took it
-        self.interrupted = False    # close() from another thread while a call waits here
+        self.interrupted = False    # close() from another thread while a call waits here ...
+        self.cancelled = False      # ... or its forward_async task was cancelled
         self._lock = threading.Lock()   # wake() from another thread vs. detach()
         offsets, size = [], DATA_OFFSET
         for s, dt in zip(max_shapes, dtypes):

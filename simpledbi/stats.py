@@ -55,6 +55,8 @@ def summarize(ctl) -> dict:
         # requests whose caller took them back (timeout, close, a cancelled task) before any
         # model process got to them: they never reached the model
         "withdrawn": int(c["withdrawn"].sum()),
+        # requests whose caller's deadline had passed when their batch closed: never run
+        "expired": int(c["expired"].sum()),
         # answered later than ModelConfig.latency_target (0 when no target is set)
         "over_target": int(c["over_target"].sum()),
         "restarts": int(ctl.all_instances["restarts"].sum()),

@@ -860,3 +860,65 @@ def test_a_client_flooding_the_socket_delays_but_never_starves_others(start_runt
         p.stdin.close()
         p.wait(60)
     _honest(rt, "affine")
+
+
+# ---------------------------------------------------------------- callers who are gone (issue 22)
+def test_a_cancelled_forward_async_task_takes_its_request_back(start_runtime, gate):
+    """Cancelling the task of a forward_async call whose request waits behind a held batch: the
+    request is withdrawn and never reaches the model; the handle's next calls are served."""
+    import asyncio
+    rt = _gated(start_runtime, gate, max_batch_size=4, wait_time=0.001)
+    with SharedModel("gated", max_shape=(1, 2), namespace=rt.namespace) as m:
+        t, outcome = _gated_call(m, gate)
+
+        async def main():
+            task = asyncio.ensure_future(m.forward_async(np.full((1, 2), 7.0, np.float32)))
+            await asyncio.to_thread(wait_queued, m, n=1)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+        asyncio.run(main())
+        _wait_for(lambda: not any(s.queued() for s in list(m._h.busy) + m._h.idle))  # taken back
+        rows = m.stats()["rows"]
+        gate.open()
+        t.join(30)
+        x = np.full((1, 2), 3.0, np.float32)
+        np.testing.assert_array_equal(m.forward(x, timeout=10), x * 2 + 1)
+        _wait_for(lambda: m.stats()["withdrawn"] == 1)
+        assert m.stats()["rows"] == rows + 2   # the gated request and the last one, nothing else
+
+
+def test_a_request_whose_deadline_passed_in_the_queue_is_not_run(start_runtime, gate):
+    """A request a model process took (so its caller could not withdraw it) whose caller's
+    deadline passes before its batch closes is answered 'expired', not run: past its capacity a
+    model spends nothing on answers nobody reads."""
+    rt = _gated(start_runtime, gate, max_batch_size=1, wait_time=0.001)
+    with SharedModel("gated", max_shape=(1, 2), namespace=rt.namespace) as m:
+        t1, first = _gated_call(m, gate)                       # G1 holds the model process
+        out = {}
+        t2 = threading.Thread(target=lambda: out.setdefault("a", m.forward(
+            np.full((1, 2), models.GATE, np.float32), timeout=60)))   # A: gated too
+        t2.start()
+        wait_queued(m, n=1)
+
+        def late():
+            try:
+                m.forward(np.full((1, 2), 5.0, np.float32), timeout=1.0)
+            except TimeoutError as e:
+                out["b"] = e
+
+        t3 = threading.Thread(target=late)                    # B: a deadline 1 s away
+        t3.start()
+        wait_queued(m, n=2)
+        gate.open()        # G1 done; the process takes A (held: gated) and B, a batch ahead
+        gate.wait_entered()
+        t3.join(30)        # B's caller gives up while A's batch runs
+        assert "being computed" in str(out.get("b")), out
+        gate.open()
+        for t in (t1, t2):
+            t.join(30)
+        _wait_for(lambda: m.stats()["expired"] == 1)
+        assert m.stats()["requests"] == 2    # G1 and A ran; B never did
+        x = np.full((1, 2), 3.0, np.float32)
+        np.testing.assert_array_equal(m.forward(x, timeout=10), x * 2 + 1)
