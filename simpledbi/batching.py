@@ -30,7 +30,7 @@ batch ahead of it and then run in its own, so a batch is at most as large as fit
 target.
 
 Requests of a batch share an item shape and dtypes (equal ``key``); the oldest request's group
-goes first and requests join in arrival order (:func:`take_fitting`), so nobody is passed over.
+goes first and requests join in arrival order, so nobody is passed over.
 """
 from __future__ import annotations
 
@@ -38,7 +38,6 @@ import math
 from dataclasses import dataclass
 from typing import Dict, List, NamedTuple, Optional, Tuple
 
-import numpy as np
 
 #: Waits shorter than this are not worth a sleep (a semaphore wait costs about as much).
 MIN_WAIT = 20e-6
@@ -189,10 +188,6 @@ class CostModel:
         self._fits[key] = fit
         return fit
 
-    def predict(self, key: int, rows: int) -> Optional[float]:
-        f = self.fit(key)
-        return None if f is None else f[0] + f[1] * rows
-
 
 class Ema:
     """An exponentially weighted mean of samples (None before the first)."""
@@ -226,16 +221,3 @@ class RateMeter:
             self._count *= math.exp((self._t - now) / self.tau)
         if self._t is None or now > self._t:
             self._t = now
-
-
-def take_fitting(order: np.ndarray, rows: np.ndarray, room: int, indexed: bool = True) -> List[int]:
-    """The longest prefix of ``order`` whose rows fit in ``room`` (arrival order is kept: a request
-    that does not fit waits for the next batch rather than being overtaken indefinitely).
-    ``rows`` is indexed by slot, or (``indexed=False``) already in the order of ``order``."""
-    if room <= 0 or order.size == 0:
-        return []
-    if order.size == 1:
-        return [int(order[0])] if (rows[order[0]] if indexed else rows[0]) <= room else []
-    cum = np.cumsum(rows[order] if indexed else rows)
-    n = int(np.searchsorted(cum, room, side="right"))
-    return [int(s) for s in order[:n]]

@@ -151,7 +151,7 @@ def _parts(held: int, rows: int):
     }
 
 
-_HDR_STATE, _HDR_DEATHS = HEADER.fields["state"][1] // 8, HEADER.fields["deaths"][1] // 8
+_HDR_STATE = HEADER.fields["state"][1] // 8
 
 
 def words(arr: np.ndarray, fmt: str = "q") -> memoryview:
@@ -258,11 +258,6 @@ class ControlBlock:
         return self._hdr_words[_HDR_STATE]
 
     @property
-    def deaths(self) -> int:
-        """How many of the model's processes the supervisor has found dead so far."""
-        return self._hdr_words[_HDR_DEATHS]
-
-    @property
     def state_name(self) -> str:
         return STATE_NAMES.get(self.state, str(self.state))
 
@@ -308,7 +303,7 @@ class ControlBlock:
 # ---------------------------------------------------------------- client slot (a sealed memfd)
 # Byte offsets in a client's slot. The client writes SEG_MAGIC and its token once, inputs and
 # PUB_SEQ per request; model processes write the claim words, the response and RESP_SEQ (last).
-SEG_MAGIC_OFF, SEG_TOKEN_OFF = 0, 8
+SEG_MAGIC_OFF = 0                  # MAGIC, then the slot's token (8 bytes each)
 TICKET_OFF, DONE_OFF = 64, 128     # 4-byte words (futex.py): the request's claim ticket, "answered"
 PUB_SEQ_OFF = 192                  # the seq of the request the client published last
 CLOSED_OFF = 200                   # 1 once the client detached (model processes drop the slot)

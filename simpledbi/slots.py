@@ -463,12 +463,12 @@ class Peer:
             self.u8 = self.seg.ndarray(0, np.uint8, (self.seg.size,))
             self.base = self.u8.ctypes.data
 
-    def respond(self, seq: int, status: int, text: str = "", outputs: Sequence[np.ndarray] = (),
+    def respond(self, seq: int, status: int, text: str = "", outputs: "Rows" = None,
                 out_offset: int = 0, structure: int = 0, claimer: int = 0, t_close: float = 0.0,
                 batch_rows: int = 0, wake: bool = True, names: bytes = b"") -> None:
         """Write outputs (rows of this request), the response header (with ``names``, the keys of
         a dict / namedtuple answer) and, last, RESP_SEQ; then wake the client (or leave that to
-        :meth:`wake`). Never raises for a client's fault."""
+        :meth:`wake`). ``outputs``: a :class:`Rows`. Never raises for a client's fault."""
         if status == ST_OK and not text:
             try:
                 self._respond_ok(seq, outputs, out_offset, structure, names, claimer, t_close, batch_rows)
@@ -497,8 +497,6 @@ class Peer:
         """Outputs, then a response header built once per output signature (structure, dtypes,
         shapes, offsets) and only the words it uses, then RESP_SEQ. ``outputs``: arrays, or an
         :class:`Rows` (the rows of a batch's outputs, copied with one memmove each)."""
-        if not isinstance(outputs, Rows):
-            outputs = Rows.of(outputs)
         key = (structure, out_offset, names, outputs.sig)
         head = self._heads.get(key)
         if head is None:
@@ -533,12 +531,6 @@ class Rows:
 
     def __init__(self, srcs, sig, keep=None):
         self.srcs, self.sig, self.keep = srcs, sig, keep   # keep: arrays the addresses point into
-
-    @classmethod
-    def of(cls, arrays) -> "Rows":
-        arrays = [np.ascontiguousarray(o) for o in arrays]
-        sig = tuple(x for o in arrays for x in (o.dtype, o.shape))
-        return cls([(o.ctypes.data, o.nbytes) for o in arrays], sig, arrays)
 
 
 def _response_head(sig, out_offset: int, structure: int, names: bytes = b"") -> Tuple[bytes, int, tuple]:
