@@ -5,8 +5,9 @@
 Both send each request as one Unix datagram to a socket all model processes of a model read
 (the kernel hands each datagram to exactly one reader and, with ``SO_PASSCRED``, says which pid
 sent it), keep inputs and outputs in a per-client memfd sealed against shrinking (nobody can make
-a mapping of it SIGBUS), and wake the client through a semaphore inside that memfd
-(simpledbi/semaphore.py). They differ in how the server reaches the client's memory:
+a mapping of it SIGBUS), take the request with a ticket word and wake the client through a futex
+word inside that memfd (simpledbi/futex.py; the figures in docs/CHANNEL.md were taken with
+glibc sem_t words, which the library dropped because a client can make sem_post abort). They differ in how the server reaches the client's memory:
 
 * ``proc``: the datagram names the client's descriptor number; the server opens
   ``/proc/<sender pid>/fd/<n>`` (the pid is the kernel's word) once per slot, maps it, and keeps
@@ -36,7 +37,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from simpledbi import semaphore  # noqa: E402
+from simpledbi import futex  # noqa: E402
 
 _REQ = struct.Struct("<QiqI")          # token, fd, seq, rows
 _TICKET, _DONE, _SEQ, _IN, _OUT = 64, 128, 192, 256, 512
@@ -89,7 +90,7 @@ def _server(path: str, mode: str, ready) -> None:
                                                  arr[_OUT:_OUT + 16].view(np.float32), arr[_SEQ:_SEQ + 8].view(np.int64))
                 if got_fd is not None:
                     os.close(got_fd)
-                if not semaphore.trywait(seg[2] + _TICKET):
+                if not futex.take(seg[2] + _TICKET):
                     continue
                 batch.append((seg, seq))
             if not batch:
@@ -101,8 +102,8 @@ def _server(path: str, mode: str, ready) -> None:
             for i, (seg, seq) in enumerate(batch):
                 seg[4][:] = y[i]
                 seg[5][0] = seq
-            for seg, _ in batch:
-                semaphore.post(seg[2] + _DONE)
+            for seg, seq in batch:
+                futex.store_and_wake(seg[2] + _DONE, seq)
 
 
 class _Client:
@@ -116,8 +117,7 @@ class _Client:
         self.arr = np.frombuffer(self.mm, np.uint8)
         base = self.arr.ctypes.data
         self.ticket, self.done = base + _TICKET, base + _DONE
-        semaphore.init(self.ticket)
-        semaphore.init(self.done)
+        futex.ticket_init(self.ticket)
         self.x = self.arr[_IN:_IN + 16].view(np.float32)
         self.y = self.arr[_OUT:_OUT + 16].view(np.float32)
         self.rseq = self.arr[_SEQ:_SEQ + 8].view(np.int64)
@@ -125,21 +125,22 @@ class _Client:
         self.sock.connect(path)
         self.token = int.from_bytes(os.urandom(8), "little")
         self.seq = 0
-        self.waiter = semaphore.Waiter()
+        self.waiter = futex.Waiter()
         self.fds = [array.array("i", [self.fd]).tobytes()]
 
     def call(self, x: np.ndarray) -> np.ndarray:
         self.seq += 1
         np.copyto(self.x, x.reshape(-1))
-        semaphore.post(self.ticket)
+        futex.offer(self.ticket)
         msg = _REQ.pack(self.token, self.fd, self.seq, 1)
         if self.mode == "scm":
             self.sock.sendmsg([msg], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, self.fds[0])])
         else:
             self.sock.send(msg)
-        while not self.waiter.wait(self.done, 1.0):
-            pass
-        assert self.rseq[0] == self.seq
+        while self.rseq[0] != self.seq:
+            seen = futex.load(self.done)
+            if self.rseq[0] != self.seq:
+                self.waiter.wait(self.done, seen, 1.0)
         return self.y.copy()
 
 

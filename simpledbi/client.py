@@ -2,7 +2,7 @@
 
 A handle lends *slots* (NOTE [slot protocol] in slots.py) to calls: a call borrows an idle slot
 from the handle's pool (or makes a new one), writes its inputs there, sends one datagram to the
-model's socket, sleeps on the slot's ``done`` semaphore, reads its outputs and gives the slot
+model's socket, sleeps on the slot's ``done`` word, reads its outputs and gives the slot
 back. Slots belong to the handle, not to threads,
 so a web server's thread pool that retires and creates threads never leaks them: a handle holds
 as many slots as it ever had calls in flight at once (plus those owed a late answer after a

@@ -228,7 +228,7 @@ class ModelConfig:
 class RuntimeOptions:
     """Knobs of the runtime itself, shared by ``Run`` and its children.
 
-    ``poll_interval`` bounds every semaphore wait: after it a sleeper checks that the other side
+    ``poll_interval`` bounds every wait on another process: after it a sleeper checks that the other side
     is alive, so nothing waits forever on a dead process. It is not a spin: an idle runtime wakes
     once per interval per process.
     """

@@ -5,7 +5,7 @@ Normal shutdown sends ``("done",)``. If the main process is SIGKILLed the read r
 the janitor then stops the workers (SIGTERM), gives model processes ``grace`` seconds to
 notice the orphaning and exit cleanly (a CUDA MPS client should not be killed mid-kernel), kills
 what is left, then stops the run's private MPS daemon (once its clients are gone) and removes
-every segment and semaphore of the run's namespace. Same idea as CPython's ``resource_tracker``,
+the run's namespace directory. Same idea as CPython's ``resource_tracker``,
 scoped to one run.
 """
 from __future__ import annotations
