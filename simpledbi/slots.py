@@ -259,8 +259,12 @@ class ClientSlot:
         w = self._rw
         if w[_RS_NEEDED] > self.seg.size:  # the model process extended the slot (large outputs)
             self._drop_views()
-            self.seg.map_at_least(w[_RS_NEEDED])
-            self._map_views()
+            try:
+                self.seg.map_at_least(w[_RS_NEEDED])
+            except (OSError, ValueError, OverflowError) as e:   # a header scribbled on
+                raise ValueError(f"the response needs {w[_RS_NEEDED]} bytes of the slot: {e}") from None
+            finally:
+                self._map_views()
         n_out = w[_RS_NOUT]
         if not 1 <= n_out <= MAX_IO:
             raise ValueError(f"response with {n_out} outputs")
