@@ -15,7 +15,7 @@ import logging as _logging
 from .client import SharedModel
 from .config import ModelConfig, RuntimeOptions
 from .errors import (ModelError, ModelProcessDied, RuntimeStopped, RuntimeUnavailable, SimpleDBIError,
-                     SlotsExhausted, WorkerError)
+                     Overloaded, SlotsExhausted, WorkerError)
 from .runtime import Run, Runtime
 from .status import inspect
 
@@ -31,6 +31,7 @@ __all__ = [
     "RuntimeStopped",
     "RuntimeUnavailable",
     "SlotsExhausted",
+    "Overloaded",
     "WorkerError",
     "inspect",
 ]

@@ -32,8 +32,10 @@ from . import naming
 from .config import MODEL_NAME_RE
 from . import stats as _stats
 from .errors import ModelError, ModelProcessDied, RuntimeStopped, RuntimeUnavailable
-from .errors import SlotsExhausted
+from .errors import Overloaded, SlotsExhausted
+from .overload import Refusal
 from .layout import (BROKEN, OUT_DICT, OUT_TENSOR, OUT_TUPLE, ST_BAD_REQUEST, ST_DIED, ST_EXPIRED, ST_FULL,
+                     ST_OVERLOADED,
     ST_INTERNAL, ST_MODEL_ERROR, ST_OK, ST_STOPPED, STOPPING, ControlBlock, decode_names,
     socket_path)
 from .shm import SHM_DIR, pid_alive
@@ -114,7 +116,7 @@ class SharedModel(Inputs):
 
     def __init__(self, name: str, max_shape=None, dtype=None, *, runtime: Optional[str] = None,
                  namespace: Optional[str] = None, poll_interval: float = 0.5,
-                 connect_timeout: float = 30.0):
+                 connect_timeout: float = 30.0, priority: int = 0):
         if not isinstance(name, str):
             raise TypeError(f"name: expected str, got {type(name).__name__}")
         if not MODEL_NAME_RE.match(name):   # no runtime can serve it (ModelConfig's rule)
@@ -127,6 +129,8 @@ class SharedModel(Inputs):
         if not (isinstance(connect_timeout, (int, float)) and connect_timeout >= 0):
             raise ValueError(f"connect_timeout: expected seconds >= 0, got {connect_timeout!r}")
         self.connect_timeout = float(connect_timeout)
+        #: The priority of calls that give none (higher runs first; NOTE [overload]).
+        self.priority = _check_priority(priority)
         #: The runtime's name when attached by name (re-attached after a restart), else None.
         self.runtime = None
         if namespace is None and runtime is None:
@@ -236,7 +240,7 @@ class SharedModel(Inputs):
         return new
 
     # ------------------------------------------------------------ public API
-    def forward(self, *inputs, timeout: Optional[float] = None, **named):
+    def forward(self, *inputs, timeout: Optional[float] = None, priority: Optional[int] = None, **named):
         """Run the model on ``inputs`` (numpy arrays or CPU torch tensors), batched with others:
         positional, by keyword (``input_ids=x``: the model's declared input names), or as one
         dict of them. Requests with other keywords are never batched together.
@@ -244,19 +248,29 @@ class SharedModel(Inputs):
         Returns numpy arrays for numpy inputs and torch tensors for torch inputs, in the
         structure the model returns: a tensor, a tuple, a dict (same keys, in order) or a
         namedtuple (same type name and fields). Raises ``TimeoutError`` when ``timeout``
-        seconds pass first.
+        seconds (default: the model's ``default_timeout``, else none) pass first.
+
+        Past the model's capacity (NOTE [overload]): a call that could not be answered within
+        its timeout, or that finds ``max_queue`` requests waiting, raises ``Overloaded`` at once
+        and never runs. ``priority`` (default: the handle's): higher runs first and is refused
+        last.
         """
         if self._closed:
             raise RuntimeStopped(f"SharedModel({self.name!r}) is closed")
         arrays, as_torch, names, positions = self._validate(inputs, named)
-        if timeout is not None and not (isinstance(timeout, (int, float)) and timeout >= 0):
+        if timeout is None:
+            timeout = self._h.default_timeout
+        elif not (isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout >= 0):
             raise ValueError(f"timeout: expected None or seconds >= 0, got {timeout!r}")
-        deadline = None if timeout is None else time.monotonic() + timeout
+        priority = self.priority if priority is None else _check_priority(priority)
+        t_call = time.monotonic()
+        deadline = None if timeout is None else t_call + timeout
         while True:
             h = self._h
             if self.runtime is not None and (h.gone or h.ctl.state >= STOPPING and h.ctl.state != BROKEN):
                 h = self._reattach(h, deadline)
             slot = h.borrow(self)
+            slot.call_timeout, slot.call_start, slot.priority = timeout, t_call, priority
             try:
                 outs, structure, out_names = self._call(h, slot, arrays, deadline, names, positions)
                 break
@@ -271,7 +285,8 @@ class SharedModel(Inputs):
 
     __call__ = forward
 
-    async def forward_async(self, *inputs, timeout: Optional[float] = None, **kw_inputs):
+    async def forward_async(self, *inputs, timeout: Optional[float] = None,
+                            priority: Optional[int] = None, **kw_inputs):
         """``await``-able :meth:`forward`: the event loop never blocks, and concurrent coroutines
         of one process are batched together (each call waits in a thread of a pool that grows
         with the calls in flight). Cancelling the coroutine withdraws the request if no model
@@ -279,7 +294,7 @@ class SharedModel(Inputs):
         answer has arrived)."""
         loop = asyncio.get_running_loop()
         cancel = _Cancel()
-        call = functools.partial(self._forward_keeping_last, inputs, timeout, kw_inputs, cancel)
+        call = functools.partial(self._forward_keeping_last, inputs, timeout, priority, kw_inputs, cancel)
         try:
             out, timing = await loop.run_in_executor(_async_executor(), call)
         except asyncio.CancelledError:
@@ -288,10 +303,10 @@ class SharedModel(Inputs):
         self._last.set(timing)  # in this task's context: last_timing() in the task sees its own
         return out
 
-    def _forward_keeping_last(self, inputs, timeout, kw_inputs, cancel: "_Cancel"):
+    def _forward_keeping_last(self, inputs, timeout, priority, kw_inputs, cancel: "_Cancel"):
         _CANCEL.set(cancel)   # this executor thread's own context: _call finds it
         try:
-            out = self.forward(*inputs, timeout=timeout, **kw_inputs)
+            out = self.forward(*inputs, timeout=timeout, priority=priority, **kw_inputs)
         finally:
             _CANCEL.set(None)
         return out, self._last.get(None)   # set by this executor thread's own call
@@ -348,7 +363,7 @@ class SharedModel(Inputs):
 
     def _publish_and_wait(self, h: "_Handles", slot: ClientSlot, arrays, deadline, names, positions):
         try:
-            seq = slot.publish(arrays, names, positions, deadline or 0.0)
+            seq = slot.publish(arrays, names, positions, deadline or 0.0, slot.priority)
             sent = True
         except BlockingIOError:   # the model's queue is full: wait for room below
             seq, sent = slot.seq, False
@@ -397,6 +412,8 @@ class SharedModel(Inputs):
             if deadline is not None:
                 wait = min(poll, deadline - time.monotonic())
                 if wait <= 0:
+                    if slot.answered(seq):
+                        break   # it came in time; this thread only ran late
                     self._on_timeout(slot, seq)
             if slot.wait(seq, wait):
                 break
@@ -415,7 +432,7 @@ class SharedModel(Inputs):
                 # answers then never ran): attached by name, the call goes to the successor
                 h.gone = True
                 raise _Resend()
-            self._raise_status(status, text)
+            self._raise_status(status, text, slot.call_timeout, slot.call_start)
         outs = slot.outputs()
         out_names = slot.output_names() if structure >= OUT_DICT else b""
         self._latest = timing = slot.timing_tuple()
@@ -476,7 +493,21 @@ class SharedModel(Inputs):
         raise RuntimeStopped(f"model {self.name!r}: the runtime is shutting down")
 
 
-    def _raise_status(self, status: int, text: str) -> None:
+    def _raise_status(self, status: int, text: str, timeout: Optional[float] = None,
+                      t_call: float = 0.0) -> None:
+        if status == ST_OVERLOADED:
+            why = Refusal.parse(text)
+            wait = why.expected_wait + (time.monotonic() - t_call if t_call else 0.0)
+            if why.reason == "deadline":
+                message = (f"model {self.name!r} is overloaded: this call would have taken about "
+                           f"{wait * 1e3:.1f} ms, past its timeout"
+                           + (f" of {timeout * 1e3:.1f} ms" if timeout is not None else "")
+                           + "; the request was refused without running (retry later, or allow a "
+                           "longer timeout)")
+            else:
+                message = (f"model {self.name!r} is overloaded: ModelConfig.max_queue requests are "
+                           f"waiting; this request was refused without running")
+            raise Overloaded(message, why.reason, wait, timeout)
         if status in (ST_MODEL_ERROR, ST_INTERNAL):
             type_name, _, rest = text.partition("\n")
             message, _, tb = rest.partition("\n")
@@ -494,6 +525,16 @@ class SharedModel(Inputs):
         if status == ST_EXPIRED:
             raise TimeoutError(f"model {self.name!r}: no result within the timeout ({text})")
         raise ModelProcessDied(f"model {self.name!r}: unknown response status {status}: {text}")
+
+def _check_priority(priority) -> int:
+    if not isinstance(priority, int) or isinstance(priority, bool):
+        raise TypeError(f"priority: expected an int, got {type(priority).__name__} {priority!r}")
+    if not -_MAX_PRIORITY <= priority <= _MAX_PRIORITY:
+        raise ValueError(f"priority: expected -{_MAX_PRIORITY}..{_MAX_PRIORITY}, got {priority}")
+    return priority
+
+
+_MAX_PRIORITY = 1000
 
 #: In an executor thread of forward_async: the call's cancellation handle (_Cancel).
 _CANCEL: contextvars.ContextVar = contextvars.ContextVar("simpledbi_cancel", default=None)
@@ -556,6 +597,7 @@ class _Handles:
         self.gone = False          # its runtime's main process was seen dead
         self._send_fd = not _dumpable()
         self._sndtimeo = -1.0
+        self.default_timeout = ctl.default_timeout   # ModelConfig.default_timeout, or None
 
     @classmethod
     def open(cls, namespace: str, name: str) -> "_Handles":

@@ -106,6 +106,13 @@ class ModelConfig:
     max_restarts: int = 5
     restart_window: float = 60.0
     restart_backoff: float = 0.1
+    #: Past capacity (NOTE [overload] in overload.py): at most this many requests wait across the
+    #: model's processes; a newcomer beyond it gets ``Overloaded`` at once (unless it outranks a
+    #: waiting one). None: no bound but the deadlines.
+    max_queue: Optional[int] = None
+    #: Seconds: the timeout of a call that gives none. A request that cannot be answered within
+    #: its timeout, given the queue ahead and the learned cost, is refused at once (Overloaded).
+    default_timeout: Optional[float] = None
 
     def __post_init__(self):
         _check_type("name", self.name, str, "str")
@@ -189,6 +196,15 @@ class ModelConfig:
             raise ValueError(f"max_clients: expected 1..65536, got {self.max_clients}")
         _check_type("load_timeout", self.load_timeout, (int, float), "seconds")
         _check_type("isolate_errors", self.isolate_errors, bool, "bool")
+        if self.max_queue is not None:
+            _check_type("max_queue", self.max_queue, int, "int or None")
+            if not 0 <= self.max_queue <= 2**31:
+                raise ValueError(f"max_queue: expected 0..2**31 requests or None, got {self.max_queue}")
+        if self.default_timeout is not None:
+            _check_type("default_timeout", self.default_timeout, (int, float), "seconds or None")
+            if not 0 < self.default_timeout <= 86400:
+                raise ValueError(f"default_timeout: expected 0 < seconds <= 86400, got {self.default_timeout}")
+            object.__setattr__(self, "default_timeout", float(self.default_timeout))
         _check_type("max_restarts", self.max_restarts, int, "int")
         if self.max_restarts < 0:
             raise ValueError(f"max_restarts: expected >= 0, got {self.max_restarts}")

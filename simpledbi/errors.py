@@ -14,6 +14,7 @@ __all__ = [
     "RuntimeStopped",
     "WorkerError",
     "SlotsExhausted",
+    "Overloaded",
     "RemoteTraceback",
 ]
 
@@ -81,3 +82,26 @@ class WorkerError(SimpleDBIError):
 
 class SlotsExhausted(SimpleDBIError, RuntimeError):
     """Every client slot of the model is taken (``ModelConfig.max_clients``)."""
+
+
+class Overloaded(SimpleDBIError, TimeoutError):
+    """The model refused this request at once rather than answer it late or queue it without
+    bound (NOTE [overload]): ``reason`` is ``"deadline"`` (it could not be answered within its
+    timeout given the queue ahead) or ``"queue"`` (``max_queue`` requests were waiting);
+    ``expected_wait`` the wait it would have had (seconds, 0 when unknown). Retrying after about
+    ``retry_after`` seconds is reasonable. The request never ran.
+
+    A ``TimeoutError`` too: code that sets a timeout and catches ``TimeoutError`` keeps working
+    (the refusal only comes early, instead of after the timeout)."""
+
+    def __init__(self, message: str, reason: str = "queue", expected_wait: float = 0.0,
+                 timeout: float | None = None):
+        super().__init__(message)
+        self.reason = reason
+        self.expected_wait = expected_wait
+        self.timeout = timeout
+
+    @property
+    def retry_after(self) -> float:
+        """Seconds a caller could reasonably wait before trying again (at least 1 ms)."""
+        return max(self.expected_wait - (self.timeout or 0.0), 0.001)

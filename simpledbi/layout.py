@@ -33,7 +33,7 @@ import numpy as np
 from .shm import Segment, ns_path
 
 MAGIC = 0x31494244535F  # "_SDBI1"
-VERSION = 7
+VERSION = 8
 MAX_IO = 8          # inputs and outputs per request
 MAX_NAMES = 48      # input names a model declares: bits 0..47 of a request's ``flags``
 MAX_NDIM = 8        # dimensions of one item (an input or output row)
@@ -92,15 +92,19 @@ HEADER = np.dtype([
     ("deaths", "<i8"),      # model processes of this model found dead so far (by the supervisor)
     ("held_cap", "<i8"),    # HELD rows per instance: the most requests a model process holds
     ("sock_ino", "<i8"),    # the inode of the model's request socket (clients check it)
-    ("reserved", "<i8", (1,)),
+    ("default_timeout", "<f8"),   # ModelConfig.default_timeout (0: none): clients apply it
 ])
 # Instance rows come in two banks of model_num: a rolling reload starts the new processes in the
 # other bank (while the current ones serve), then switches ``bank`` and retires the old ones.
 # ``held``: requests the process took and has not answered; ``clients``: client slots it knows
-# (batching counts who may still send from them; status shows them).
+# (batching counts who may still send from them; status shows them). ``queued``: requests held
+# and not in a batch yet (``max_queue`` counts them across the model's processes);
+# ``newcomer_wait``: seconds a new request of default priority from a client with nothing waiting
+# would wait here (NOTE [overload]; status shows it).
 INSTANCE = np.dtype([
     ("pid", "<i8"), ("state", "<i8"), ("device", "<i8"), ("restarts", "<i8"), ("t_start", "<f8"),
-    ("graphs", "<i8"), ("free", "<i8"), ("held", "<i8"), ("clients", "<i8"), ("reserved", "<i8", (7,)),
+    ("graphs", "<i8"), ("free", "<i8"), ("held", "<i8"), ("clients", "<i8"), ("queued", "<i8"),
+    ("newcomer_wait", "<f8"), ("reserved", "<i8", (5,)),
 ])
 # One per request a model process holds (its own rows, HEADER.held_cap of them): whose request,
 # so that the supervisor can answer its caller at once if the process dies. ``pid`` 0 = unused;
@@ -109,7 +113,8 @@ HELD = np.dtype([("fd", "<i8"), ("token", "<u8"), ("seq", "<i8"), ("pid", "<i8")
 COUNTERS = np.dtype([
     ("requests", "<i8"), ("batches", "<i8"), ("rows", "<i8"), ("errors", "<i8"),
     ("ring_head", "<i8"), ("isolated", "<i8"), ("bad_requests", "<i8"), ("over_target", "<i8"),
-    ("withdrawn", "<i8"), ("expired", "<i8"), ("reserved", "<i8", (6,)),   # 128 bytes a row
+    ("withdrawn", "<i8"), ("expired", "<i8"), ("shed_deadline", "<i8"), ("shed_queue", "<i8"),
+    ("reserved", "<i8", (4,)),   # 128 bytes a row
 ])
 # batch record fields (seconds unless noted): where a batch's time went
 B_FIELDS = ("t_close", "rows", "requests", "queue_wait", "gather", "h2d", "forward", "d2h",
@@ -130,9 +135,11 @@ SPEC_BYTES = 16384
 
 def held_cap(max_batch: int) -> int:
     """Requests one model process may hold at once: two batches in flight (pipelining) and as
-    many again collected or set aside; past that it takes no more from the socket (the kernel
-    queue and the clients' own sends hold the rest)."""
-    return 4 * max_batch + 16
+    many again collected or set aside, and room to see every waiting client when the model is
+    past capacity (NOTE [overload]: fair turns and refusals need the waiting requests in view);
+    past that it takes no more from the socket (the kernel queue and the clients' sends hold
+    the rest)."""
+    return 4 * max_batch + 240
 
 
 def _parts(held: int, rows: int):
@@ -188,7 +195,8 @@ class ControlBlock:
 
     @classmethod
     def create(cls, namespace: str, model: str, model_num: int, max_batch: int,
-               wait_time: float, supervisor_pid: int, max_clients: int = 0) -> "ControlBlock":
+               wait_time: float, supervisor_pid: int, max_clients: int = 0,
+               default_timeout: Optional[float] = None) -> "ControlBlock":
         held = held_cap(max_batch)
         seg = Segment.create_memfd(f"sdbi-{model}.ctl", cls.size(held, model_num),
                                    link=ctl_path(namespace, model))
@@ -197,6 +205,7 @@ class ControlBlock:
         h["version"], h["state"], h["held_cap"], h["max_slots"] = VERSION, STARTING, held, max_clients
         h["model_num"], h["max_batch"], h["wait_time"] = model_num, max_batch, wait_time
         h["supervisor_pid"] = supervisor_pid
+        h["default_timeout"] = default_timeout or 0.0
         h["magic"] = MAGIC  # last: attachers check it
         return ctl
 
@@ -221,6 +230,12 @@ class ControlBlock:
     def sock_ino(self) -> int:
         """The inode of the model's request socket, as the runtime bound it (0: not yet)."""
         return int(self.hdr["sock_ino"])
+
+    @property
+    def default_timeout(self) -> Optional[float]:
+        """ModelConfig.default_timeout: the timeout of a call that gives none (None: none)."""
+        value = float(self.hdr["default_timeout"])
+        return value if value > 0 else None
 
     @property
     def max_slots(self) -> int:
@@ -338,7 +353,13 @@ def _word_index(dtype: np.dtype) -> dict:
 # the kernel's word); a client that cannot be opened that way sends the descriptor itself.
 REQ_MAGIC = 0x5344_4232        # "SDB2": a request
 WAKE_MAGIC = 0x5344_4257       # "SDBW": from the runtime itself: look at the model's state
-REQ_PREFIX = struct.Struct("<IiQqqdd")   # magic, fd, token, seq, rows, t_publish, deadline
+# "SDBF": a request handed back by a model process of the model for another one to take (it
+# holds more than it can start soon while a peer is idle): FWD_PREFIX (magic, the client's pid
+# as the kernel gave it to the sender), then the request's datagram. Honoured only when the
+# kernel says the sender is a model process of this model.
+FWD_MAGIC = 0x5344_4246
+FWD_PREFIX = struct.Struct("<Iiq")       # magic, 0, client pid
+REQ_PREFIX = struct.Struct("<IiQqqddq")   # magic, fd, token, seq, rows, t_publish, deadline, priority
 LAYOUT_HEAD = struct.Struct("<qqq")      # out_offset, flags, n_in
 INPUT_HEAD = struct.Struct("<qqq")       # dtype code, ndim, offset
 MAX_DATAGRAM = REQ_PREFIX.size + LAYOUT_HEAD.size + MAX_IO * (INPUT_HEAD.size + 8 * MAX_NDIM)
@@ -349,7 +370,8 @@ DATA_OFFSET = ERR_OFF + ERR_BYTES
 assert NAMES_BYTES >= 2048 and RESP_SEQ_OFF + 8 <= ERR_OFF
 
 # response status
-ST_OK, ST_MODEL_ERROR, ST_BAD_REQUEST, ST_STOPPED, ST_INTERNAL, ST_DIED, ST_FULL, ST_EXPIRED = range(8)
+ST_OK, ST_MODEL_ERROR, ST_BAD_REQUEST, ST_STOPPED, ST_INTERNAL, ST_DIED, ST_FULL, ST_EXPIRED, \
+    ST_OVERLOADED = range(9)
 # output structure: a tensor, a tuple (or list), a dict (keys in the names), a namedtuple (type
 # name and fields in the names)
 OUT_TENSOR, OUT_TUPLE, OUT_DICT, OUT_NAMEDTUPLE = 0, 1, 2, 3

@@ -14,6 +14,7 @@ dashboard built for one reads the other with a rename)::
     simpledbi_queue_duration_seconds{model}           histogram, publish -> batch start
     simpledbi_compute_duration_seconds{model}         histogram, batch start -> answered
     simpledbi_over_target_total{model}                answers later than latency_target
+    simpledbi_rejected_total{model,reason}            refused with Overloaded: deadline | queue
     simpledbi_queued_requests{model}, simpledbi_attached_clients{model}, simpledbi_model_ready{model}
     simpledbi_instance_up{model,instance,device}, simpledbi_instance_restarts_total{model,instance}
 """
@@ -68,6 +69,9 @@ class RuntimeCollector:
                                         labels=["model"])
         m_compute = HistogramMetricFamily("simpledbi_compute_duration_seconds",
                                           "Per batch: start to answered", labels=["model"])
+        m_rejected = CounterMetricFamily("simpledbi_rejected",
+                                         "Requests refused with Overloaded (never run), by reason",
+                                         labels=["model", "reason"])
         g_queued = GaugeMetricFamily("simpledbi_queued_requests", "Requests waiting for an answer",
                                      labels=["model"])
         g_clients = GaugeMetricFamily("simpledbi_attached_clients", "Client slots attached",
@@ -86,6 +90,8 @@ class RuntimeCollector:
             m_rows.add_metric(n, m.rows)
             m_batches.add_metric(n, m.batches)
             m_over.add_metric(n, m.over_target)
+            for reason, count in m.rejected.items():
+                m_rejected.add_metric(n + [reason], count)
             m_size.add_metric(n, *_batch_buckets(m.batch_sizes, m.rows))
             for fam, h in ((m_lat, m.latency), (m_queue, m.queue), (m_compute, m.compute)):
                 fam.add_metric(n, *_latency_buckets(h))
@@ -96,7 +102,7 @@ class RuntimeCollector:
                 up = i.alive and i.state == "ready"
                 g_up.add_metric(n + [str(i.index), i.device], 1 if up else 0)
                 m_restarts.add_metric(n + [str(i.index)], i.restarts)
-        yield from (m_ok, m_fail, m_rows, m_batches, m_over, m_size, m_lat, m_queue, m_compute,
+        yield from (m_ok, m_fail, m_rows, m_batches, m_over, m_rejected, m_size, m_lat, m_queue, m_compute,
                     g_queued, g_clients, g_ready, g_up, m_restarts)
 
 

@@ -102,6 +102,9 @@ class ClientSlot:
         self.token = secrets.randbits(64) | 1
         self.seq = 0
         self.stale_seq = 0          # a timed-out request a model process still owes an answer to
+        self.call_timeout = None    # the current call's timeout, start and priority (for its
+        self.call_start = 0.0       # datagram and its errors)
+        self.priority = 0
         self.woken = 0.0
         self.withdrawn = 0          # the last seq taken back before any model process took it
         self.interrupted = False    # close() from another thread while a call waits here ...
@@ -121,7 +124,7 @@ class ClientSlot:
         self._inputs = [(dt, off) for off, dt in zip(offsets, dtypes)]
         self._codes = [dtype_code(dt) for dt in dtypes]
         self._prefix = bytearray(REQ_PREFIX.size)
-        REQ_PREFIX.pack_into(self._prefix, 0, REQ_MAGIC, self.seg.fd, self.token, 0, 0, 0.0, 0.0)
+        REQ_PREFIX.pack_into(self._prefix, 0, REQ_MAGIC, self.seg.fd, self.token, 0, 0, 0.0, 0.0, 0)
         self._layouts: Dict[tuple, bytes] = {}   # (names, positions, item shapes) -> layout bytes
         self._anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [self.seg.fd]).tobytes())] \
             if send_fd else None
@@ -142,7 +145,8 @@ class ClientSlot:
 
     # ------------------------------------------------------------ publish
     def publish(self, arrays: Sequence[np.ndarray], names: int = 0,
-                positions: Optional[Tuple[int, ...]] = None, deadline: float = 0.0) -> int:
+                positions: Optional[Tuple[int, ...]] = None, deadline: float = 0.0,
+                priority: int = 0) -> int:
         """Write the request into the slot and send its datagram; returns its seq. Inputs are
         positional (``names`` 0), or the declared inputs whose bits ``names`` sets, in ascending
         order, each in the slot's region ``positions[k]``. Raises BlockingIOError when the
@@ -168,13 +172,13 @@ class ClientSlot:
         buf = self.seg.buf
         _I64.pack_into(buf, PUB_SEQ_OFF, seq)
         futex.offer(self._ticket)
-        self._msg = msg = self._prefix_bytes(seq, arrays[0].shape[0], now, deadline) + layout
+        self._msg = msg = self._prefix_bytes(seq, arrays[0].shape[0], now, deadline, priority) + layout
         self.send(msg)
         return seq
 
-    def _prefix_bytes(self, seq: int, rows: int, now: float, deadline: float) -> bytes:
+    def _prefix_bytes(self, seq: int, rows: int, now: float, deadline: float, priority: int) -> bytes:
         p = self._prefix
-        _SEQ_ROWS_T.pack_into(p, _SEQ_B, seq, rows, now, deadline)
+        _SEQ_ROWS_T.pack_into(p, _SEQ_B, seq, rows, now, deadline, priority)
         return bytes(p)
 
     def send(self, msg: bytes, block: bool = False) -> None:
@@ -307,10 +311,10 @@ class ClientSlot:
 
 
 _SEQ_B = 16   # offset of seq in REQ_PREFIX: magic u32, fd i32, token u64
-_SEQ_ROWS_T = struct.Struct("<qqdd")   # seq, rows, t_publish, deadline
+_SEQ_ROWS_T = struct.Struct("<qqddq")   # seq, rows, t_publish, deadline, priority
 _T_B = _SEQ_B + 16
-assert REQ_PREFIX.unpack(REQ_PREFIX.pack(1, 2, 3, 4, 5, 6.0, 7.0))[3:] == \
-    _SEQ_ROWS_T.unpack_from(REQ_PREFIX.pack(1, 2, 3, 4, 5, 6.0, 7.0), _SEQ_B)
+assert REQ_PREFIX.unpack(REQ_PREFIX.pack(1, 2, 3, 4, 5, 6.0, 7.0, 8))[3:] == \
+    _SEQ_ROWS_T.unpack_from(REQ_PREFIX.pack(1, 2, 3, 4, 5, 6.0, 7.0, 8), _SEQ_B)
 
 
 # ================================================================ model-process side
@@ -356,9 +360,17 @@ class Request:
     nbytes: Tuple[int, ...]
     t_publish: float
     deadline: float = 0.0
+    priority: int = 0                             # higher runs first (NOTE [overload])
+    turn: int = 0                                 # its client's rows ahead of it (service_order)
     answered: bool = False
     t_seen: float = 0.0                           # when this process received it
+    layout_raw: bytes = b""                       # its datagram's layout bytes (a hand-back)
     held: int = -1                                # its HELD row in the control block
+
+    @property
+    def pid(self) -> int:
+        """Its client process (the kernel's word): the unit of fair turns."""
+        return self.peer.pid
 
     @property
     def items(self):
@@ -394,11 +406,12 @@ class Peer:
     ``/proc/<pid>/fd/<fd>`` (or the descriptor the datagram carried), checked to be a memfd
     sealed against shrinking whose token is the datagram's."""
 
-    __slots__ = ("pid", "token", "fd_no", "seg", "base", "u8", "inflight", "answered_at",
+    __slots__ = ("pid", "token", "fd_no", "passed", "seg", "base", "u8", "inflight", "answered_at",
                  "answered_seq", "registered", "on_remap", "_heads", "warned", "__weakref__")
 
     def __init__(self, pid: int, fd_no: int, token: int, fd: Optional[int] = None):
         self.pid, self.fd_no, self.token = pid, fd_no, token
+        self.passed = fd is not None   # the client sent its descriptor (it is not dumpable)
         if fd is None:
             fd = os.open(f"/proc/{pid}/fd/{fd_no}", os.O_RDWR | os.O_CLOEXEC | os.O_NONBLOCK)
         try:
@@ -448,6 +461,11 @@ class Peer:
             return False
         _CLAIM.pack_into(self.seg.buf, CLAIM_OFF, instance, pid, seq)
         return True
+
+    def unclaim(self) -> None:
+        """Offer the request again (a hand-back: another model process will take it, or its
+        client take it back). The claim record stays until someone else writes theirs."""
+        futex.offer(self.base + TICKET_OFF)
 
     def grow(self, size: int) -> None:
         """Extend the client's slot for outputs larger than it (growing only: it is sealed

@@ -57,6 +57,9 @@ def summarize(ctl) -> dict:
         "withdrawn": int(c["withdrawn"].sum()),
         # requests whose caller's deadline had passed when their batch closed: never run
         "expired": int(c["expired"].sum()),
+        # refused at once with Overloaded (NOTE [overload]), by reason: it could not be answered
+        # within its deadline, or max_queue requests were waiting; never run
+        "rejected": {"deadline": int(c["shed_deadline"].sum()), "queue": int(c["shed_queue"].sum())},
         # answered later than ModelConfig.latency_target (0 when no target is set)
         "over_target": int(c["over_target"].sum()),
         "restarts": int(ctl.all_instances["restarts"].sum()),

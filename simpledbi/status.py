@@ -81,6 +81,9 @@ class ModelInfo:
     errors: int
     bad_requests: int
     over_target: int
+    rejected: Dict[str, int]               # refused with Overloaded, by reason (overload.py)
+    newcomer_wait: float                   # a new request's expected wait now (s; shortest
+                                           # over the serving processes, 0 while unlearned)
     restarts: int
     instances: List[InstanceInfo]
     batch_sizes: Dict[int, int]            # rows -> batches (0: more than layout.BATCH_HIST_MAX)
@@ -188,6 +191,8 @@ def _model_info(name: str, ctl: ControlBlock) -> ModelInfo:
         requests=int(c["requests"].sum()), batches=int(c["batches"].sum()), rows=int(c["rows"].sum()),
         errors=int(c["errors"].sum()), bad_requests=int(c["bad_requests"].sum()),
         over_target=int(c["over_target"].sum()), restarts=int(inst["restarts"].sum()),
+        rejected={"deadline": int(c["shed_deadline"].sum()), "queue": int(c["shed_queue"].sum())},
+        newcomer_wait=float(serving["newcomer_wait"].min()) if len(serving) else 0.0,
         instances=instances,
         batch_sizes={int(k): int(bh[k]) for k in np.nonzero(bh)[0]},
         latency=_histogram(hist[H_LATENCY]), queue=_histogram(hist[H_QUEUE]),
@@ -215,6 +220,8 @@ def format_status(info: RuntimeInfo) -> str:
         lines.append(f"  requests {m.requests}  batches {m.batches}  mean batch "
                      f"{m.mean_batch_size:.2f}  errors {m.errors}  bad requests {m.bad_requests}  "
                      f"over target {m.over_target}  restarts {m.restarts}")
+        lines.append(f"  overload: rejected (deadline) {m.rejected['deadline']}  rejected (queue) "
+                     f"{m.rejected['queue']}  a newcomer's expected wait {_ms(m.newcomer_wait)} ms")
         lines.append(f"  latency ms  p50 {_ms(m.latency.quantile(0.5))}  p99 "
                      f"{_ms(m.latency.quantile(0.99))}   queue p50 {_ms(m.queue.quantile(0.5))}  "
                      f"p99 {_ms(m.queue.quantile(0.99))}   compute/batch p50 "

@@ -340,3 +340,24 @@ def slow_to_load():
         open(path, "a").close()
     time.sleep(3.0)
     return Affine()
+
+
+class Sleepy(nn.Module):
+    """Takes ``seconds`` per batch whatever its size, sleeping (as a device would, leaving the
+    CPU to the clients): a model of known capacity, max_batch_size / seconds rows per second.
+    A row whose first value is ``GATE`` waits for the gate as Gated does."""
+
+    def __init__(self, seconds: float, gate_name: str = ""):
+        super().__init__()
+        self.seconds = seconds
+        self.gate = Gated(gate_name) if gate_name else None
+
+    def forward(self, x):
+        if self.gate is not None and bool((x == GATE).any()):
+            self.gate.forward(x)
+        time.sleep(self.seconds)
+        return x * 2 + 1
+
+
+def sleepy(seconds: float = 0.01, gate_name: str = ""):
+    return Sleepy(seconds, gate_name)

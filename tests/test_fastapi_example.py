@@ -128,3 +128,12 @@ def test_fastapi_example_batches_across_web_workers_over_http():
         if web is not None:
             _stop(web, signal.SIGINT)
         _stop(serve)
+
+
+def test_the_example_answers_overloaded_with_503_and_retry_after():
+    sys.path.insert(0, ROOT)
+    from examples.fastapi_app.app import http_error
+    from simpledbi import Overloaded
+    e = http_error(Overloaded("model 'mlp' is overloaded: ...", "deadline", expected_wait=2.6, timeout=1.0))
+    assert e.status_code == 503 and e.headers == {"Retry-After": "2"} and "overloaded" in e.detail
+    assert http_error(TimeoutError("slow")).status_code == 504

@@ -57,3 +57,17 @@ def two_models_worker(rank):
         np.testing.assert_array_equal(a.forward(x), x * 2 + 1)
         np.testing.assert_allclose(m.forward(img), np.full((1, 2), rank, np.float32))
     return a.stats()["requests"], m.stats()["requests"]
+
+
+def light_client(namespace, name, n_requests, conn):
+    """One thread, ``n_requests`` calls one after another; sends back the seconds they took."""
+    model = SharedModel(name, max_shape=(1, 4), namespace=namespace)
+    x = np.ones((1, 4), np.float32)
+    model.forward(x)
+    conn.send("ready")
+    conn.recv()   # go
+    t0 = time.monotonic()
+    for _ in range(n_requests):
+        np.testing.assert_array_equal(model.forward(x, timeout=60), x * 2 + 1)
+    conn.send(time.monotonic() - t0)
+    model.close()

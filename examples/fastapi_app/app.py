@@ -5,7 +5,8 @@
 
 Each uvicorn worker process attaches to the runtime by name once; every request handler awaits
 ``forward_async``, so concurrent requests of all workers are batched together. Errors map to HTTP:
-400 bad input, 500 the model raised, 503 the model or runtime is down, 504 timeout.
+400 bad input, 500 the model raised, 503 the model or runtime is down -- or overloaded: refused
+at once, with ``Retry-After`` (README "Overload") --, 504 timeout.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from fastapi import FastAPI, HTTPException
 from pydantic import BaseModel
 
 import simpledbi
-from simpledbi import ModelError, ModelProcessDied, RuntimeStopped, SharedModel
+from simpledbi import ModelError, ModelProcessDied, Overloaded, RuntimeStopped, SharedModel
 
 MODEL = os.environ.get("SIMPLEDBI_MODEL", "mlp")
 MAX_ROWS = 16
@@ -28,6 +29,7 @@ TIMEOUT = float(os.environ.get("SIMPLEDBI_TIMEOUT", "10"))
 class PredictRequest(BaseModel):
     inputs: List[List[float]]          # rows of 16 features
     timeout: Optional[float] = None    # seconds; default SIMPLEDBI_TIMEOUT
+    priority: int = 0                  # higher runs first past capacity (-1000..1000)
 
 
 class PredictResponse(BaseModel):
@@ -55,6 +57,8 @@ def http_error(e: BaseException) -> HTTPException:
         return HTTPException(400, str(e))
     if isinstance(e, ModelError):
         return HTTPException(500, str(e))
+    if isinstance(e, Overloaded):   # before TimeoutError: it is one
+        return HTTPException(503, str(e), headers={"Retry-After": str(max(1, round(e.retry_after)))})
     if isinstance(e, (ModelProcessDied, RuntimeStopped)):
         return HTTPException(503, str(e))
     if isinstance(e, TimeoutError):
@@ -73,7 +77,8 @@ async def predict(req: PredictRequest) -> PredictResponse:
                              f"lengths {[len(r) for r in req.inputs][:MAX_ROWS]}") from None
         if x.ndim != 2 or not 1 <= x.shape[0] <= MAX_ROWS or x.shape[1] != 16:
             raise ValueError(f"inputs: expected 1..{MAX_ROWS} rows of 16 numbers, got shape {x.shape}")
-        y = await model.forward_async(x, timeout=TIMEOUT if req.timeout is None else req.timeout)
+        y = await model.forward_async(x, timeout=TIMEOUT if req.timeout is None else req.timeout,
+                                      priority=req.priority)
     except Exception as e:  # noqa: BLE001 - mapped to a status code
         raise http_error(e) from e
     t = model.last_timing()

@@ -1,0 +1,134 @@
+"""Overload decisions in a model process (NOTE [overload] in overload.py has the policy): the
+requests it holds and has not batched yet, what it learned about its own speed, what it publishes
+for the model's other processes and ``status``, and the requests it refuses.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable, List, Sequence
+
+from .layout import INSTANCE, ST_EXPIRED, ST_OVERLOADED, ControlBlock, words
+from .overload import Backlog, Limits, Refusal, ServiceRate, admit, late_at_close, queue_full
+from .slots import Request
+
+_QUEUED = INSTANCE.fields["queued"][1] // 8
+_NEWCOMER = INSTANCE.fields["newcomer_wait"][1] // 8
+_ROW_WORDS = INSTANCE.itemsize // 8
+
+
+class Admission:
+    """One model process's backlog and the refusals it makes (answered ``Overloaded``)."""
+
+    def __init__(self, ctl: ControlBlock, row: int, limits: Limits,
+                 fail: Callable[[Sequence[Request], int, str], None], count: Callable[..., None]):
+        self.ctl, self.row, self.limits = ctl, row, limits
+        self.backlog = Backlog()
+        self.rate = ServiceRate()
+        self._fail, self._count = fail, count
+        self._all = words(ctl.all_instances)
+        self._floats = words(ctl.all_instances, "d")
+        self._mine = row * _ROW_WORDS
+        #: Callers send deadlines: keep taking requests off the socket while the device runs a
+        #: batch, so that refusals come at once (ModelServer._await_device).
+        self.deadlines_seen = False
+        self.priorities_seen = False
+        self.alone = ctl.model_num == 1
+        self._published = -1   # the queued count last written (-1: none yet)
+        self.in_progress = 0   # rows in batches collected or running, not answered: they go first
+        self.room = 0          # requests of the backlog the batch being collected will take
+
+    @property
+    def look_ahead(self) -> bool:
+        """Should the process take every queued request off the socket, not one batch's worth?
+        When this is the model's only process (no other would take what it leaves queued; fair
+        turns and refusals need every request in view), when callers send priorities, or when
+        the queue is bounded. Not with several processes for fair turns or deadlines alone:
+        what one takes, the others cannot (measured on an H200: 256 callers got half the
+        throughput, and with deadlines the p99 at capacity tripled; Intake.hand_back only
+        evens it out a few requests at a time)."""
+        return self.alone or self.priorities_seen or self.limits.max_queue is not None
+
+    def take(self, req: Request) -> bool:
+        """A request arrived: True to keep it (the caller batches it or adds it to the backlog),
+        False when it was refused (already answered)."""
+        if req.deadline > 0.0:
+            self.deadlines_seen = True
+            if req.deadline <= req.t_seen:   # its caller timed out already: late, not refused
+                self._fail([req], ST_EXPIRED, "the call's timeout passed before a model process took it")
+                self._count("expired")
+                return False
+        if req.priority:
+            self.priorities_seen = True
+        if self.limits.max_queue is not None and queue_full(self.limits, self.waiting()):
+            victim = self._outranked_by(req)
+            if victim is None:
+                self.refuse([req], Refusal("queue"))
+                return False
+            self.backlog.remove(victim)
+            self.refuse([victim], Refusal("queue"))
+        if req.deadline > 0.0 and self.backlog:   # (nothing waits: it goes in the next batch)
+            why = admit(req.t_seen, req.deadline, self.in_progress
+                        + self.backlog.rows_ahead(req.pid, req.priority, req.rows), self.rate)
+            if why is not None:
+                self.refuse([req], why)
+                return False
+        return True
+
+    def _outranked_by(self, req: Request):
+        if not self.backlog:
+            return None
+        victim = self.backlog.lowest()
+        return victim if victim.priority < req.priority else None
+
+    def waiting(self) -> int:
+        """Requests waiting across the model's serving processes -- taken, and beyond what the
+        batch being collected has room for: mine exactly, the others' as they last published."""
+        w, n = self._all, max(len(self.backlog) - self.room, 0)
+        for r in self.ctl.active_rows():
+            if r != self.row:
+                n += w[r * _ROW_WORDS + _QUEUED]
+        return n
+
+    def at_close(self, batch: List[Request]) -> List[Request]:
+        """The batch about to run, less what would be answered after its caller's deadline:
+        past already (the call raised TimeoutError: answered so, counted ``expired``) or by the
+        time this batch is answered (refused ``Overloaded``)."""
+        if not self.deadlines_seen:
+            return batch
+        now = time.monotonic()
+        rate = self.rate
+        late = [r for r in batch if late_at_close(now, r.deadline, rate)]
+        if not late:
+            return batch
+        expired = [r for r in late if r.deadline <= now]
+        if expired:
+            self._fail(expired, ST_EXPIRED, "the call's timeout passed before its batch ran")
+            self._count("expired", len(expired))
+        doomed = [r for r in late if r.deadline > now]
+        if doomed:
+            self.refuse(doomed, Refusal("deadline", rate.latency_bound))
+        gone = {id(r) for r in late}
+        self.in_progress -= sum(r.rows for r in late)
+        return [r for r in batch if id(r) not in gone]
+
+    def refuse(self, requests: Sequence[Request], why: Refusal) -> None:
+        self._fail(requests, ST_OVERLOADED, why.text())
+        self._count("shed_" + why.reason, len(requests))
+
+    def batch_done(self, rows: int, t_close: float, t_end: float, backlogged: bool) -> None:
+        self.rate.batch_done(rows, t_close, t_end, backlogged)
+        self.publish()
+
+    def publish(self) -> None:
+        """My row of the control block: requests waiting here, and a newcomer's expected wait
+        (not rewritten while nothing waits and nothing did: the common case costs a compare)."""
+        queued = max(len(self.backlog) - self.room, 0)
+        if queued or self._published:
+            self._all[self._mine + _QUEUED] = self._published = queued
+            self._floats[self._mine + _NEWCOMER] = self.rate.wait(self.in_progress
+                                                                  + self.backlog.rows_ahead(-1, 0, 1))
+
+    def close(self) -> None:
+        self._all[self._mine + _QUEUED] = 0
+        for view in (self._all, self._floats):
+            view.release()

@@ -1,0 +1,292 @@
+"""The overload policy: in which order waiting requests run, and which are refused at once. Pure
+(no processes, no shared memory), so each decision is unit-tested directly.
+
+NOTE [overload]
+---------------
+Past capacity, a queue only grows: every caller waits longer, and work whose caller gave up
+still runs. A model process therefore decides, for each request it takes from the socket:
+
+* **Deadline.** A request that carries a deadline (its call's ``timeout``, or the model's
+  ``default_timeout``) and cannot be answered in time -- given the rows that would run before it
+  and what this process has learned a row costs under load (:class:`ServiceRate`) -- is refused
+  at once with ``Overloaded``, before it costs anything. At batch close, a request that would
+  finish after its deadline is refused too: nothing runs for a caller that will not read it.
+* **Queue bound.** ``max_queue`` requests waiting across the model's processes: a newcomer is
+  refused, unless it outranks a waiting one, which is refused in its place.
+* **Order.** Higher ``priority`` first. Within a priority, clients (kernel pids, so threads and
+  handles of one process count as one client) take turns by rows: a request's place is the rows
+  its own client has waiting ahead of it (start-time fair queueing with equal weights), ties
+  by arrival. A client with one request waiting goes before a client's 64th, however many
+  threads sent them. And since a client with one call in flight sends its next only once
+  answered, the batch after it holds room for it (up to ``wait_time``; ModelServer._expect_returns):
+  otherwise a busier client's second turn would take its place every other batch.
+
+To see what waits, a model process takes every queued datagram off the socket, not one batch
+ahead, when it is the model's only process or callers send priorities or the queue is bounded
+(a request still in the kernel queue gets no turn and no answer); with several processes it
+stays at one batch ahead otherwise, since what one process takes the others cannot
+(Admission.look_ahead; Intake.hand_back gives an idle peer what a busy one holds beyond its next
+batch). With callers that set deadlines it keeps taking them while the device runs a batch (a
+CPU model's forward pass then runs on a helper thread), so most refusals come within a fraction
+of a millisecond of the call, not after the batch ahead. Every refusal is the model process's:
+it sees what waits, and counts what it refused (stats, status, Prometheus).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from heapq import heappop, heappush
+from typing import Dict, List, Optional, Tuple
+
+#: Learned rates follow this many batches (an exponential average): fewer, and one slow batch
+#: makes a model process refuse work it could do; more, and a slowdown (a neighbour on the GPU)
+#: takes that many batches to show.
+_MEMORY = 20.0
+#: A sample of the service rate is taken only from batches closed this soon after the previous
+#: one: a longer gap means the process was idle, and idle time is not a cost of rows.
+_IDLE_GAP = 0.5
+
+REASONS = ("deadline", "queue")
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What a model's overload policy is configured with (``ModelConfig``)."""
+
+    max_queue: Optional[int] = None          # requests waiting across the model's processes
+    default_timeout: Optional[float] = None  # seconds, for calls that give none
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Why a request is refused: ``reason`` (one of REASONS) and the wait it was expected to
+    have (seconds; 0 when unknown)."""
+
+    reason: str
+    expected_wait: float = 0.0
+
+    def text(self) -> str:
+        """As a model process answers it (the client's ``Overloaded`` parses it back)."""
+        return f"{self.reason}\n{self.expected_wait:.6f}"
+
+    @classmethod
+    def parse(cls, text: str) -> "Refusal":
+        reason, _, wait = text.partition("\n")
+        try:
+            return cls(reason if reason in REASONS else "queue", max(float(wait), 0.0))
+        except ValueError:
+            return cls(reason if reason in REASONS else "queue")
+
+
+class ServiceRate:
+    """What this process learned about itself under load: rows per second it gets through when
+    requests are waiting, and seconds from a batch's close to its answers (its latency)."""
+
+    def __init__(self, memory: float = _MEMORY):
+        self.alpha = 1.0 / memory
+        self.rows_per_s = 0.0      # 0: not learned yet
+        self.latency = 0.0
+        self.latency_dev = 0.0     # mean absolute deviation of the latency
+        self._last_close = 0.0
+        self._last_backlogged = False
+
+    @property
+    def latency_bound(self) -> float:
+        """A batch's latency, with room for its usual spread: what a deadline is checked against
+        at batch close (a request that would finish after its deadline does not start)."""
+        return self.latency + 2.0 * self.latency_dev
+
+    def batch_done(self, rows: int, t_close: float, t_end: float, backlogged: bool) -> None:
+        """A batch of ``rows`` closed at ``t_close`` and was answered at ``t_end``; ``backlogged``:
+        it closed full, with requests waiting. A rate sample needs this batch and the one before
+        to be so: then the gap between their closes was all work (at low load it would measure
+        the arrivals, and refuse what the process could do)."""
+        a = self.alpha
+        took = max(t_end - t_close, 0.0)
+        if self.latency == 0.0:
+            self.latency = took
+        else:
+            self.latency_dev = (1 - a) * self.latency_dev + a * abs(took - self.latency)
+            self.latency = (1 - a) * self.latency + a * took
+        gap = t_close - self._last_close
+        if backlogged and self._last_backlogged and 0.0 < gap < _IDLE_GAP:
+            rate = rows / gap
+            self.rows_per_s = rate if self.rows_per_s == 0.0 else (1 - a) * self.rows_per_s + a * rate
+        self._last_close, self._last_backlogged = t_close, backlogged
+
+    def wait(self, rows_ahead: float) -> float:
+        """Seconds until a request with ``rows_ahead`` rows before it is answered (0: unknown):
+        those rows at the learned rate, then its own batch (checked as at its close)."""
+        if self.rows_per_s <= 0.0:
+            return self.latency_bound
+        return rows_ahead / self.rows_per_s + self.latency_bound
+
+
+class Backlog:
+    """The requests a model process holds and has not put in a batch: a start-time fair queue.
+    Each request gets a tag when it arrives -- its client's finish tag (the rows of its requests
+    still ahead) or, for a client with nothing waiting, the queue's virtual time (the tag of
+    the last request taken) -- and requests leave by (higher priority, lower tag, arrival).
+    O(log n) a request. Tallies its decisions read in O(1): rows per priority, rows per
+    (priority, client), requests with a deadline, clients with several requests waiting."""
+
+    def __init__(self):
+        self._heap: List = []                         # (-priority, tag, arrival, request)
+        self._arrivals = 0
+        self._vtime: Dict[int, int] = {}              # priority -> tag of the last request taken
+        self._finish: Dict[Tuple[int, int], int] = {}  # (priority, pid) -> its next free tag
+        self._gone: set = set()                       # ids removed from the middle (lazily)
+        self.rows = 0
+        self.with_deadline = 0
+        self.repeats = 0                              # clients with 2+ requests waiting
+        self._prio_rows: Dict[int, int] = {}
+        self._prio_clients: Dict[int, int] = {}       # priority -> clients with requests waiting
+        self._client: Dict[Tuple[int, int], List[int]] = {}   # (priority, pid) -> [rows, requests]
+
+    def __len__(self) -> int:
+        return len(self._heap) - len(self._gone)
+
+    def __bool__(self) -> bool:
+        return len(self._heap) > len(self._gone)
+
+    @property
+    def items(self) -> List:
+        return [e[3] for e in self._heap if id(e[3]) not in self._gone]
+
+    @property
+    def contended(self) -> bool:
+        """Is the order a policy decision (someone has several waiting, or deadlines matter)?"""
+        return self.repeats > 0 or self.with_deadline > 0 or len(self._prio_rows) > 1
+
+    def add(self, r) -> None:
+        """A request arrives (sets its ``turn``: its client's rows ahead of it, 0 if none)."""
+        p, key = r.priority, (r.priority, r.pid)
+        v = self._vtime.get(p, 0)
+        start = max(v, self._finish.get(key, 0))
+        r.turn = start - v
+        self._finish[key] = start + r.rows
+        heappush(self._heap, (-p, start, self._arrivals, r))
+        self._arrivals += 1
+        self._count(r, 1)
+
+    def add_first(self, r) -> None:
+        """Put back a request that went into a batch before the backlog's own (it came first):
+        it goes before everything of its priority that arrived after it."""
+        p = r.priority
+        r.turn = 0
+        self._arrivals += 1
+        heappush(self._heap, (-p, self._vtime.get(p, 0), -self._arrivals, r))
+        self._count(r, 1)
+
+    def peek(self):
+        """The request that goes next (None if empty)."""
+        self._skip_gone()
+        return self._heap[0][3] if self._heap else None
+
+    def pop(self):
+        """Take the request that goes next (it leaves the queue; the virtual time moves on)."""
+        return self.pop_entry()[3]
+
+    def pop_entry(self) -> tuple:
+        """:meth:`pop`, keeping its place: :meth:`restore` puts it back where it was."""
+        self._skip_gone()
+        entry = heappop(self._heap)
+        neg_p, start, _, r = entry
+        if start > self._vtime.get(-neg_p, 0):
+            self._vtime[-neg_p] = start
+        self._count(r, -1)
+        return entry
+
+    def restore(self, entry: tuple) -> None:
+        """Put back a request taken with :meth:`pop_entry` (another kind than the batch's)."""
+        heappush(self._heap, entry)
+        self._count(entry[3], 1)
+
+    def take_all(self) -> List:
+        """Every request, in the order they go; the backlog is left empty."""
+        out = []
+        while self:
+            out.append(self.pop())
+        return out
+
+    def remove(self, r) -> None:
+        """Take ``r`` out from anywhere (a refused request)."""
+        self._gone.add(id(r))
+        self._count(r, -1)
+
+    def _skip_gone(self) -> None:
+        heap, gone = self._heap, self._gone
+        while heap and gone and id(heap[0][3]) in gone:
+            gone.discard(id(heappop(heap)[3]))
+
+    def _count(self, r, sign: int) -> None:
+        p = r.priority
+        self.rows += sign * r.rows
+        self._prio_rows[p] = self._prio_rows.get(p, 0) + sign * r.rows
+        if r.deadline > 0.0:
+            self.with_deadline += sign
+        key = (p, r.pid)
+        c = self._client.get(key)
+        if c is None:
+            c = self._client[key] = [0, 0]
+            self._prio_clients[p] = self._prio_clients.get(p, 0) + 1
+        before = c[1]
+        c[0] += sign * r.rows
+        c[1] += sign
+        if before < 2 <= c[1]:
+            self.repeats += 1
+        elif c[1] < 2 <= before:
+            self.repeats -= 1
+        if c[1] == 0:
+            del self._client[key]
+            self._finish.pop(key, None)   # an idle client starts again at the virtual time
+            self._prio_clients[p] -= 1
+            if not self._prio_clients[p]:
+                del self._prio_clients[p]
+        if not self._prio_rows[p]:
+            del self._prio_rows[p]
+
+    def rows_ahead(self, pid: int, priority: int, rows: int) -> int:
+        """Rows that may run before a new request (``pid``, ``priority``, ``rows``): all of a
+        higher priority; of its own, its client's waiting rows, and that many plus its own rows
+        from each other client waiting -- what they have, or may still send that takes its turn
+        before it. So a client with many waiting is refused first."""
+        higher = sum(n for p, n in self._prio_rows.items() if p > priority)
+        mine = self._client.get((priority, pid), (0, 0))[0]
+        others = self._prio_clients.get(priority, 0) - (1 if mine else 0)
+        return higher + mine + others * (mine + rows)
+
+    def clients(self) -> set:
+        """The pids with a request waiting."""
+        return {pid for _, pid in self._client}
+
+    def has_waiting(self, pid: int, priority: int) -> bool:
+        """Does this client have a request of this priority waiting (a newcomer's turn is not
+        its first)?"""
+        return (priority, pid) in self._client
+
+    def lowest(self):
+        """The request a higher-priority newcomer displaces: the newest of the lowest priority."""
+        live = [e for e in self._heap if id(e[3]) not in self._gone]
+        low = min(-e[0] for e in live)
+        return max((e for e in live if -e[0] == low), key=lambda e: e[2])[3]
+
+
+def admit(now: float, deadline: float, rows_ahead: int, rate: ServiceRate) -> Optional[Refusal]:
+    """None to take the request, or why not: a request with a deadline (> 0) that would be
+    answered after it, given ``rows_ahead`` and the learned rate."""
+    if deadline <= 0.0:
+        return None
+    wait = rate.wait(rows_ahead)
+    if now + wait > deadline:
+        return Refusal("deadline", wait)
+    return None
+
+
+def late_at_close(now: float, deadline: float, rate: ServiceRate) -> bool:
+    """At batch close: would this request (deadline > 0) be answered after its deadline?"""
+    return deadline > 0.0 and now + rate.latency_bound > deadline
+
+
+def queue_full(limits: Limits, waiting: int) -> bool:
+    """``waiting`` requests across the model: is there room for one more?"""
+    return limits.max_queue is not None and waiting >= limits.max_queue

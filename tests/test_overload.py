@@ -1,0 +1,184 @@
+"""Past capacity, across real processes (NOTE [overload]): refusals by deadline and by queue
+bound, priority order, a fair share per client process, and what stats() counts."""
+from __future__ import annotations
+
+import functools
+import multiprocessing as mp
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from simpledbi import Overloaded, SharedModel, SimpleDBIError
+
+from . import models, workers
+from .conftest import cpu_model, wait_queued
+
+X = np.ones((1, 4), np.float32)
+
+
+def _wait_for(cond, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached"
+        threading.Event().wait(0.01)  # bounded wait on a shared-memory condition
+
+
+def _call_in_thread(m, x, **kw):
+    """Start ``m.forward(x, **kw)`` on a thread; returns (thread, outcome dict)."""
+    out = {}
+
+    def run():
+        try:
+            out["y"] = m.forward(x, **kw)
+            out["timing"] = m.last_timing()
+        except BaseException as e:  # noqa: BLE001 - the test inspects it
+            out["error"] = e
+
+    t = threading.Thread(target=run)
+    t.start()
+    return t, out
+
+
+def _held(m) -> int:
+    return int(m.ctl.all_instances["held"].sum())
+
+
+@pytest.mark.timeout(120)
+def test_a_call_that_cannot_make_its_deadline_is_refused_at_once(start_runtime):
+    rt = start_runtime(cpu_model("m", functools.partial(models.sleepy, 0.2), max_batch_size=1))
+    m = SharedModel("m", max_shape=(1, 4), namespace=rt.namespace)
+    calls = [_call_in_thread(m, X * k) for k in range(10)]   # no timeout: 2 s of work queued
+    _wait_for(lambda: m.stats()["batches"] >= 3 and _held(m) >= 4)   # its speed is learned
+    t0 = time.monotonic()
+    with pytest.raises(Overloaded) as info:
+        m.forward(X, timeout=0.5)
+    took = time.monotonic() - t0
+    e = info.value
+    assert e.reason == "deadline" and e.expected_wait > 0.5 and e.timeout == 0.5
+    assert isinstance(e, SimpleDBIError) and isinstance(e, TimeoutError)
+    assert "overloaded" in str(e) and "500.0 ms" in str(e)
+    assert took < 0.5, "refused only after its deadline"
+    for k, (t, out) in enumerate(calls):     # nothing else lost or crossed
+        t.join(60)
+        np.testing.assert_array_equal(out["y"], X * k * 2 + 1)
+    s = m.stats()
+    assert s["rejected"] == {"deadline": 1, "queue": 0} and s["requests"] == 10   # it never ran
+    np.testing.assert_array_equal(m.forward(X, timeout=30), X * 2 + 1)   # healthy after
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("newcomer_priority", [0, 1])
+def test_max_queue_refuses_the_newcomer_or_the_lowest_it_outranks(start_runtime, gate, newcomer_priority):
+    """A gated request holds the model; B, C, D, E are sent in that order. With max_queue=2, B
+    goes in the next batch and C, D wait: E is refused -- or, with a higher priority, D (the
+    newest of the lowest) is refused in its place and E runs first."""
+    rt = start_runtime(cpu_model("m", functools.partial(models.sleepy, 0.0, gate.name), max_batch_size=1,
+                                 max_queue=2))
+    m = SharedModel("m", max_shape=(1, 4), namespace=rt.namespace)
+    first = _call_in_thread(m, np.full((1, 4), models.GATE, np.float32))
+    gate.wait_entered()
+    calls = {}
+    for n, name in enumerate("BCDE", start=1):
+        calls[name] = _call_in_thread(m, X * n, priority=newcomer_priority if name == "E" else 0)
+        wait_queued(m, n=n)   # on the socket in this order
+    gate.open()
+    for t, _ in [first, *calls.values()]:
+        t.join(60)
+    refused = "E" if newcomer_priority == 0 else "D"
+    for n, name in enumerate("BCDE", start=1):
+        out = calls[name][1]
+        if name == refused:
+            assert isinstance(out.get("error"), Overloaded) and out["error"].reason == "queue"
+            assert "max_queue" in str(out["error"])
+        else:
+            np.testing.assert_array_equal(out["y"], X * n * 2 + 1)
+    if newcomer_priority:
+        closed = {k: calls[k][1]["timing"]["batch_closed"] for k in "BCE"}
+        assert closed["E"] < closed["B"] < closed["C"]
+    assert m.stats()["rejected"] == {"deadline": 0, "queue": 1}
+
+
+@pytest.mark.timeout(120)
+def test_higher_priority_runs_first(start_runtime, gate):
+    rt = start_runtime(cpu_model("m", functools.partial(models.sleepy, 0.0, gate.name), max_batch_size=1))
+    m = SharedModel("m", max_shape=(1, 4), namespace=rt.namespace)
+    first = _call_in_thread(m, np.full((1, 4), models.GATE, np.float32))
+    gate.wait_entered()
+    order = [("low1", 0), ("low2", 0), ("high", 5), ("lowest", -3), ("high2", 5)]
+    calls = {}
+    for n, (name, prio) in enumerate(order, start=1):
+        calls[name] = _call_in_thread(m, X * n, priority=prio)
+        wait_queued(m, n=n)
+    gate.open()
+    for t, _ in [first, *calls.values()]:
+        t.join(60)
+    closed = sorted(calls, key=lambda k: calls[k][1]["timing"]["batch_closed"])
+    assert closed == ["high", "high2", "low1", "low2", "lowest"]
+    for n, (name, _) in enumerate(order, start=1):
+        np.testing.assert_array_equal(calls[name][1]["y"], X * n * 2 + 1)
+
+
+def test_priority_and_timeouts_are_checked_in_the_caller(start_runtime):
+    rt = start_runtime(cpu_model("m", models.affine, default_timeout=5.0))
+    m = SharedModel("m", max_shape=(1, 6, 5), namespace=rt.namespace)
+    x = np.ones((1, 6, 5), np.float32)
+    with pytest.raises(TypeError, match="priority: expected an int, got str"):
+        m.forward(x, priority="high")
+    with pytest.raises(ValueError, match=r"priority: expected -1000..1000, got 5000"):
+        m.forward(x, priority=5000)
+    with pytest.raises(TypeError, match="priority"):
+        SharedModel("m", max_shape=(1, 6, 5), namespace=rt.namespace, priority=1.5)
+    assert m._h.default_timeout == 5.0   # what a call without a timeout gets
+    np.testing.assert_array_equal(m.forward(x, priority=7), x * 2 + 1)
+
+
+@pytest.mark.timeout(180)
+def test_a_client_with_many_threads_does_not_crowd_out_the_others(start_runtime):
+    """16 threads of this process flood the model; 3 other processes make one call at a time.
+    Taken in arrival order, this process would get 16 of every 19 answers; with fair turns by
+    process, a one-thread client gets about as many answers as the flood in the same time."""
+    rt = start_runtime(cpu_model("m", functools.partial(models.sleepy, 0.005), max_batch_size=4))
+    ctx = mp.get_context("spawn")
+    lights, pipes = [], []
+    for _ in range(3):
+        here, there = ctx.Pipe()
+        p = ctx.Process(target=workers.light_client, args=(rt.namespace, "m", 40, there))
+        p.start()
+        lights.append(p)
+        pipes.append(here)
+    for p in pipes:
+        assert p.poll(60) and p.recv() == "ready"
+    m = SharedModel("m", max_shape=(1, 4), namespace=rt.namespace)
+    stop, flood_done, errors = threading.Event(), [0], []
+
+    def flood():
+        try:
+            while not stop.is_set():
+                m.forward(X, timeout=60)
+                flood_done[0] += 1
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=flood) for _ in range(16)]
+    for t in threads:
+        t.start()
+    _wait_for(lambda: flood_done[0] >= 32)   # the flood is on
+    start = flood_done[0]
+    for p in pipes:
+        p.send("go")
+    for p in pipes:
+        assert p.poll(120)
+        p.recv()
+    during = flood_done[0] - start
+    stop.set()
+    for t in threads:
+        t.join(60)
+    for p in lights:
+        p.join(60)
+        assert p.exitcode == 0
+    assert errors == []
+    # 40 calls each: arrival order would let the flood finish ~16 x 40 = 640 meanwhile
+    assert during < 4 * 40, f"the 16-thread client got {during} answers while each other got 40"
+
