@@ -1,0 +1,238 @@
+"""What a model process holds and has not answered, in order (the batch loop's side of NOTE
+[overload]): filling a batch from the socket and the backlog, handing back to an idle peer,
+holding room for clients just answered, and taking requests in while the device -- or, for a
+CPU model, a helper thread -- runs a batch. A mixin of :class:`~simpledbi.model_process.ModelServer`,
+whose attributes it uses (intake, backlog, admission, engine, policy, max_batch, ...).
+"""
+from __future__ import annotations
+
+import os
+import select
+import sys
+import time
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+from . import batching
+from .intake import WAKE
+from .slots import Request
+
+#: While the device runs the previous batch, how often the collecting loop looks whether it
+#: finished: halved, the loop costs twice the CPU while a batch runs; doubled, a finished batch
+#: waits up to that long to be answered when nothing else arrives.
+_BUSY_POLL = 0.0002
+#: Python's thread switch interval while a CPU forward pass runs on a helper thread beside this
+#: one (_compute_while_taking): how long the helper may wait for the GIL this thread holds.
+#: Python's default, 5 ms, added that much to every batch; shorter costs more thread switches.
+_GIL_HANDOFF = 0.0002
+
+
+@dataclass(slots=True)
+class _Collecting:
+    """The batch being collected: its kind, rows, row cap and oldest request."""
+
+    key: Optional[int] = None
+    kind: tuple = ()      # its requests' Request.kind (exact; key is only its CRC)
+    rows: int = 0
+    limit: int = 0
+    oldest: float = float("inf")
+    newest: float = 0.0
+    waiting: int = 0      # rows of its kind held that did not fit
+    holding: bool = False  # clients' second turns wait in the backlog until it closes (_fill)
+
+
+class Holding:
+    """The batch-filling half of ModelServer (see the module docstring)."""
+
+    def _await_device(self, flight) -> None:
+        """With callers that set deadlines: while the device finishes ``flight``, keep taking
+        requests off the socket, so that one that cannot make its deadline is refused at once
+        (NOTE [overload]), not after this batch -- up to one batch ahead when the model has
+        other processes (Admission.look_ahead). Otherwise the wait is the engine's (a blocking
+        synchronize)."""
+        launched = flight.launched
+        if launched is None or flight.error is not None or not launched.started or \
+                not self.admission.deadlines_seen:
+            return
+        intake, backlog, ahead = self.intake, self.backlog, self.admission.look_ahead
+        while not launched.ready() and not intake.full and (ahead or backlog.rows < self.max_batch):
+            got = intake.next(_BUSY_POLL, precise=True)
+            if isinstance(got, Request) and self._took(got):
+                self.backlog.add(got)
+        self.admission.publish()
+
+    def _compute_while_taking(self, launched) -> None:
+        """A CPU model past capacity, with callers that set deadlines: its forward pass runs on
+        a helper thread while this one keeps taking requests off the socket, so that one that
+        cannot make its deadline is refused at once, not after this batch (NOTE [overload]).
+        This thread sleeps in select() until a request comes or the helper says it is done (a
+        pipe): no polling."""
+        if self._helper is None:
+            from concurrent.futures import ThreadPoolExecutor
+            self._helper = ThreadPoolExecutor(1, thread_name_prefix="simpledbi-forward")
+        # The helper waits for the GIL whenever this thread runs Python; by default it would be
+        # granted only after the 5 ms switch interval. Here a waiter gets it within _GIL_HANDOFF.
+        interval = sys.getswitchinterval()
+        sys.setswitchinterval(_GIL_HANDOFF)
+        try:
+            job = self._helper.submit(self._start_in_helper, launched)
+            intake, watch = self.intake, [self.intake.sock, self._done_r]
+            while True:   # until the helper's byte: exactly one per job, always read
+                ready = select.select(watch if not intake.full else watch[1:], (), (), self.poll)[0]
+                if self._done_r in ready:
+                    os.read(self._done_r, 1)
+                    break
+                if ready:
+                    got = intake.next(0)
+                    if isinstance(got, Request) and self._took(got):
+                        self.backlog.add(got)
+            job.result()   # the forward pass's own error, if any, is raised here
+        finally:
+            sys.setswitchinterval(interval)
+        self.admission.publish()
+
+    def _start_in_helper(self, launched) -> None:
+        import torch
+        try:
+            with torch.inference_mode():   # thread-local, like the serving loop's
+                self.engine.start(launched)
+        finally:
+            os.write(self._done_w, b"d")
+
+    def _take(self, batch: List[Request], c: _Collecting, req: Request) -> None:
+        if c.key is None:
+            c.key, c.kind = req.key, req.kind
+            if self.policy.latency_target is not None:  # else row_limit is max_batch
+                c.limit = batching.row_limit(self.policy, self.costs.fit(req.key),
+                                             self.arrivals.rate(time.monotonic()))
+        batch.append(req)
+        c.rows += req.rows
+        self.admission.in_progress += req.rows
+        if req.t_publish < c.oldest:
+            c.oldest = req.t_publish
+        if req.t_publish > c.newest:
+            c.newest = req.t_publish
+
+    def _fill(self, batch: List[Request], c: _Collecting) -> None:
+        """Add requests to ``batch``: first those I hold already (in their order: priority,
+        fair turns, age -- overload.Backlog), then what is queued on the socket now. Once
+        the batch is full, what is queued is still taken, up to one more batch (it goes first
+        next time), unless a peer is idle: the socket's queue is short (net.unix.max_dgram_qlen,
+        10 by default), and each request taken from a full one wakes a client blocked in send --
+        at 128 clients, they spent 40% of their time there and the model processes a wake-up
+        per request. Past one batch it takes everything when order or refusal is a decision
+        (Admission.look_ahead): a client's request still in the kernel queue gets no turn.
+
+        Fair turns (NOTE [overload]): while clients just answered may still send, a client's
+        second and later requests are held back until the batch closes -- a client just
+        answered gets its turn in the next batch if it sends again while the batch collects, not
+        the one after -- and then top the batch up (_top_up)."""
+        c.waiting = 0
+        backlog, intake = self.backlog, self.intake
+        if backlog.rows > c.limit and self._peer_free():
+            self._hand_back(c.limit)
+        direct: List[Request] = []
+        if not self.retiring:   # (what comes to a retiring process is for its successors)
+            look_ahead, admission = self.admission.look_ahead, self.admission
+            while not intake.full:
+                held = c.rows + backlog.rows
+                if held >= c.limit and (self._peer_free() or held >= 2 * c.limit and not look_ahead):
+                    break
+                got = intake.next(0)
+                if got is None:
+                    break
+                if got is WAKE:
+                    continue
+                admission.room = 0 if c.holding else max(c.limit - c.rows, 0)   # for max_queue
+                if not self._took(got):
+                    continue
+                if backlog or c.holding or self.admission.priorities_seen or not self._fits(c, got):
+                    backlog.add(got)   # it takes its place in the backlog's order
+                else:
+                    self._take(batch, c, got)   # nothing waits before it: the common case
+                    direct.append(got)
+        if direct and backlog and backlog.peek().priority > min(r.priority for r in direct):
+            self._put_back(batch, c, direct)   # a higher priority came after them
+        if backlog and not c.holding:
+            self._from_backlog(batch, c)
+        self.admission.publish()
+
+    def _hand_back(self, keep: int) -> None:
+        """A peer is idle while I hold more than my next batch (``keep`` rows): the rest goes
+        back to the model's socket, for it (Intake.hand_back). Taking every queued request to
+        see who waits (look_ahead) must not leave the model's other processes without work."""
+        backlog, kept, rows = self.backlog, [], 0
+        while backlog and rows < keep:
+            kept.append(backlog.pop_entry())
+            rows += kept[-1][3].rows
+        while backlog:
+            entry = backlog.pop_entry()
+            if self.intake.hand_back(entry[3]):
+                self._open.pop(id(entry[3]), None)
+            else:
+                kept.append(entry)   # the socket's queue is full: keep the rest
+                break
+        for entry in kept:
+            backlog.restore(entry)
+
+    def _put_back(self, batch: List[Request], c: _Collecting, taken: List[Request]) -> None:
+        """Requests taken into ``batch`` by arrival go back to the backlog, ahead of what came
+        after them (_fill: the first request of a higher priority arrived behind them)."""
+        for r in reversed(taken):
+            batch.remove(r)
+            c.rows -= r.rows
+            self.admission.in_progress -= r.rows
+            self.backlog.add_first(r)
+        if not batch:
+            c.key, c.kind, c.limit = None, (), self.max_batch
+            c.oldest, c.newest = float("inf"), 0.0
+
+    @staticmethod
+    def _fits(c: _Collecting, r: Request) -> bool:
+        return c.key is None or r.kind == c.kind and r.rows <= c.limit - c.rows
+
+    def _from_backlog(self, batch: List[Request], c: _Collecting) -> None:
+        """Fill ``batch`` from the backlog in its order (overload.Backlog: priority, then fair
+        turns per client process, then arrival) while it has room; requests of another kind keep
+        their places for a later batch. A client's second turns stay back while clients just
+        answered may still send (_expect_returns)."""
+        backlog = self.backlog
+        hold = backlog.repeats > 0 and bool(self._returning) and time.monotonic() < self._hold_until
+        aside = []
+        while backlog:
+            r = backlog.peek()
+            if hold and r.turn > 0:
+                c.holding = True
+                break
+            if c.key is not None and r.kind != c.kind:
+                aside.append(backlog.pop_entry())
+                continue
+            if c.key is not None and r.rows > c.limit - c.rows:
+                c.waiting += r.rows   # its kind, and it does not fit: the batch is full
+                break
+            self._take(batch, c, backlog.pop())
+        for entry in aside:
+            backlog.restore(entry)
+
+    def _expect_returns(self, batch: List[Request]) -> None:
+        """Some client has several requests waiting: the clients just answered with one call in
+        this batch and none waiting (one call at a time, by all signs) are likely to send again
+        soon; the next batch holds their turn for up to wait_time, rather than give it to a
+        second turn of a busier client. CPU models only: on a GPU the next batch is collected
+        while the device runs this one, and holding it halved the throughput of 256 callers
+        (the device waited for the hold)."""
+        counts: Dict[int, int] = {}
+        for r in batch:
+            counts[r.pid] = counts.get(r.pid, 0) + 1
+        waiting = self.backlog.clients()
+        self._returning = {pid for pid, n in counts.items() if n == 1 and pid not in waiting}
+        # Not the learned turnaround: it is mostly the busy clients' own (measured: holding for
+        # twice it, the one-thread clients beside a 64-thread one got 70% of what they got
+        # alone; for wait_time, 87%). The hold ends as soon as they are all back.
+        self._hold_until = time.monotonic() + self.policy.wait_time
+
+    def _top_up(self, batch: List[Request], c: _Collecting) -> None:
+        """The batch closes: the second turns held back (_fill) fill what room is left."""
+        c.holding = False
+        self._returning = set()
+        self._from_backlog(batch, c)
