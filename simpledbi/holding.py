@@ -22,8 +22,9 @@ from .slots import Request
 #: waits up to that long to be answered when nothing else arrives.
 _BUSY_POLL = 0.0002
 #: Python's thread switch interval while a CPU forward pass runs on a helper thread beside this
-#: one (_compute_while_taking): how long the helper may wait for the GIL this thread holds.
-#: Python's default, 5 ms, added that much to every batch; shorter costs more thread switches.
+#: one (_compute_while_taking): how long the helper may wait for the GIL while this thread runs
+#: Python between requests. Python's default, 5 ms, could hold the forward pass up that long;
+#: shorter costs more thread switches.
 _GIL_HANDOFF = 0.0002
 
 

@@ -924,3 +924,25 @@ def test_a_request_whose_deadline_passed_in_the_queue_is_not_run(start_runtime, 
         assert m.stats()["requests"] == 2    # G1 and A ran; B never did
         x = np.full((1, 2), 3.0, np.float32)
         np.testing.assert_array_equal(m.forward(x, timeout=10), x * 2 + 1)
+
+
+def test_a_client_cannot_pass_for_a_model_process_handing_a_request_back(start_runtime):
+    """A hand-back datagram (FWD_MAGIC: "this request is the client's, take it") is honoured only
+    from a model process of the model -- the kernel's word. A client sending one for itself gets
+    nothing taken: its request stays offered (it can take it back), the model is unharmed."""
+    from simpledbi.layout import FWD_MAGIC, FWD_PREFIX
+    rt = start_runtime(cpu_model("affine", models.affine, max_batch_size=2, wait_time=0.001))
+    pids = _pids(rt, "affine")
+    forger = SharedModel("affine", max_shape=(1, 2), namespace=rt.namespace)
+    forger.forward(np.ones((1, 2), np.float32))   # a slot the model process has mapped
+    slot, seq = _send_raw(forger, lambda msg: FWD_PREFIX.pack(FWD_MAGIC, 0, os.getpid()) + msg)
+    # The socket is first in, first out and there is one model process: once a later request
+    # is answered, the forged datagram was read before it.
+    honest = SharedModel("affine", max_shape=(1, 2), namespace=rt.namespace)
+    x = np.full((1, 2), 3.0, np.float32)
+    np.testing.assert_array_equal(honest.forward(x, timeout=30), x * 2 + 1)
+    assert not slot.answered(seq) and slot.queued(), "a forged hand-back was taken"
+    assert slot.withdraw()
+    assert _pids(rt, "affine") == pids
+    forger.close()
+    honest.close()
