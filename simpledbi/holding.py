@@ -68,28 +68,33 @@ class Holding:
         cannot make its deadline is refused at once, not after this batch (NOTE [overload]).
         This thread sleeps in select() until a request comes or the helper says it is done (a
         pipe): no polling."""
+        from concurrent.futures import ThreadPoolExecutor, wait
         if self._helper is None:
-            from concurrent.futures import ThreadPoolExecutor
             self._helper = ThreadPoolExecutor(1, thread_name_prefix="simpledbi-forward")
         # The helper waits for the GIL whenever this thread runs Python; by default it would be
         # granted only after the 5 ms switch interval. Here a waiter gets it within _GIL_HANDOFF.
         interval = sys.getswitchinterval()
         sys.setswitchinterval(_GIL_HANDOFF)
+        job = self._helper.submit(self._start_in_helper, launched)
+        byte_read = False
         try:
-            job = self._helper.submit(self._start_in_helper, launched)
             intake, watch = self.intake, [self.intake.sock, self._done_r]
             while True:   # until the helper's byte: exactly one per job, always read
                 ready = select.select(watch if not intake.full else watch[1:], (), (), self.poll)[0]
                 if self._done_r in ready:
                     os.read(self._done_r, 1)
+                    byte_read = True
                     break
                 if ready:
                     got = intake.next(0)
                     if isinstance(got, Request) and self._took(got):
                         self.backlog.add(got)
-            job.result()   # the forward pass's own error, if any, is raised here
         finally:
+            if not byte_read:   # something went wrong here: the helper must be done with the
+                wait([job])     # engine before anything else touches it, and its byte read
+                os.read(self._done_r, 1)
             sys.setswitchinterval(interval)
+        job.result()   # the forward pass's own error, if any, is raised here
         self.admission.publish()
 
     def _start_in_helper(self, launched) -> None:
