@@ -152,11 +152,6 @@ class Backlog:
     def items(self) -> List:
         return [e[3] for e in self._heap if id(e[3]) not in self._gone]
 
-    @property
-    def contended(self) -> bool:
-        """Is the order a policy decision (someone has several waiting, or deadlines matter)?"""
-        return self.repeats > 0 or self.with_deadline > 0 or len(self._prio_rows) > 1
-
     def add(self, r) -> None:
         """A request arrives (sets its ``turn``: its client's rows ahead of it, 0 if none)."""
         p, key = r.priority, (r.priority, r.pid)
@@ -258,11 +253,6 @@ class Backlog:
     def clients(self) -> set:
         """The pids with a request waiting."""
         return {pid for _, pid in self._client}
-
-    def has_waiting(self, pid: int, priority: int) -> bool:
-        """Does this client have a request of this priority waiting (a newcomer's turn is not
-        its first)?"""
-        return (priority, pid) in self._client
 
     def lowest(self):
         """The request a higher-priority newcomer displaces: the newest of the lowest priority."""

@@ -99,7 +99,7 @@ def test_backlog_tallies_and_rows_ahead():
     flood = [Req(9, k * 0.01) for k in range(10)]
     for r in flood:
         b.add(r)
-    assert b.rows == 10 and b.repeats == 1 and b.contended
+    assert b.rows == 10 and b.repeats == 1
     # a newcomer from another client goes after client 9's first: one row ahead at most
     assert b.rows_ahead(pid=1, priority=0, rows=1) == 1
     # client 9's next goes after all of its own
@@ -113,7 +113,7 @@ def test_backlog_tallies_and_rows_ahead():
     b.remove(flood[-1])
     assert b.rows == 10
     assert [r.pid for r in b.take_all()][:2] == [2, 9]
-    assert len(b) == 0 and b.rows == 0 and b.repeats == 0 and not b.contended
+    assert len(b) == 0 and b.rows == 0 and b.repeats == 0
     assert b.rows_ahead(pid=1, priority=0, rows=1) == 0
 
 
@@ -121,9 +121,9 @@ def test_backlog_counts_deadlines():
     b = Backlog()
     r = Req(1, 0.0, deadline=5.0)
     b.add(r)
-    assert b.with_deadline == 1 and b.contended
+    assert b.with_deadline == 1
     b.remove(r)
-    assert b.with_deadline == 0 and not b.contended
+    assert b.with_deadline == 0
 
 
 def test_a_client_arriving_later_takes_its_turn_from_the_virtual_time():
