@@ -361,7 +361,7 @@ class Request:
     t_publish: float
     deadline: float = 0.0
     priority: int = 0                             # higher runs first (NOTE [overload])
-    turn: int = 0                                 # its client's rows ahead of it (service_order)
+    turn: int = 0                                 # its client's rows ahead of it (overload.Backlog)
     answered: bool = False
     t_seen: float = 0.0                           # when this process received it
     layout_raw: bytes = b""                       # its datagram's layout bytes (a hand-back)
