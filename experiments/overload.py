@@ -44,6 +44,9 @@ except ImportError:   # a simpledbi from before overload handling (--parts capac
         reason = "queue"
 
 OK, SHED_DEADLINE, SHED_QUEUE, TIMEOUT, ERROR = range(5)
+#: The priority of the "high" share of calls (--parts priority): SIMPLEDBI_HIGH=0 runs the same
+#: traffic with no priorities at all, the baseline that shows what priorities cost.
+HIGH = int(os.environ.get("SIMPLEDBI_HIGH", "1"))
 
 
 class SlowEcho:
@@ -127,7 +130,7 @@ def client_main(ns: str, shape: tuple, rate: float, t0: float, duration: float, 
             delay = t - time.monotonic()
             if delay > 0:
                 time.sleep(delay)
-            todo.put((t, 1 if rng.random() < high_frac else 0))
+            todo.put((t, HIGH if rng.random() < high_frac else 0))
             t += rng.exponential(1 / rate)
         # what is still queued here at the end was never served within the window
         while True:
@@ -200,6 +203,8 @@ def main():
     ap.add_argument("--threads", type=int, default=64)
     ap.add_argument("--closed", type=int, default=0, help="closed-loop callers for capacity (0: auto)")
     ap.add_argument("--parts", default="capacity,curve,priority,fairness")
+    ap.add_argument("--capacity", type=float, default=0.0,
+                    help="req/s to take as capacity instead of measuring it (0: measure)")
     ap.add_argument("--out", default="overload")
     a = ap.parse_args()
     parts = a.parts.split(",")
@@ -207,8 +212,11 @@ def main():
     result = {"args": vars(a)}
     with Runtime([model_config(a)], RuntimeOptions()) as rt:
         ns = rt.namespace
-        got, d = run_clients(ns, a, 0.0, closed // a.procs, a.procs, None)
-        cap = summarize(got, d, float("inf"))["throughput"]
+        if a.capacity:
+            cap = a.capacity
+        else:
+            got, d = run_clients(ns, a, 0.0, closed // a.procs, a.procs, None)
+            cap = summarize(got, d, float("inf"))["throughput"]
         result["capacity"] = cap
         print(f"capacity: {cap:.0f} req/s ({closed} closed-loop callers)", flush=True)
         if "curve" in parts:

@@ -8,7 +8,8 @@ import time
 from typing import Callable, List, Sequence
 
 from .layout import INSTANCE, ST_EXPIRED, ST_OVERLOADED, ControlBlock, words
-from .overload import Backlog, Limits, Refusal, ServiceRate, admit, late_at_close, queue_full
+from .overload import (Backlog, Limits, PriorityArrivals, Refusal, ServiceRate, admit, late_at_close,
+                       queue_full)
 from .slots import Request
 
 _QUEUED = INSTANCE.fields["queued"][1] // 8
@@ -24,6 +25,7 @@ class Admission:
         self.ctl, self.row, self.limits = ctl, row, limits
         self.backlog = Backlog()
         self.rate = ServiceRate()
+        self.arrivals = PriorityArrivals()   # kept once callers send priorities
         self._fail, self._count = fail, count
         self._all = words(ctl.all_instances)
         self._floats = words(ctl.all_instances, "d")
@@ -68,10 +70,13 @@ class Admission:
             self.refuse([victim], Refusal("queue"))
         if req.deadline > 0.0 and self.backlog:   # (nothing waits: it goes in the next batch)
             why = admit(req.t_seen, req.deadline, self.in_progress
-                        + self.backlog.rows_ahead(req.pid, req.priority, req.rows), self.rate)
+                        + self.backlog.rows_ahead(req.pid, req.priority, req.rows), self.rate,
+                        self.arrivals.above(req.priority, req.t_seen) if self.priorities_seen else 0.0)
             if why is not None:
                 self.refuse([req], why)
                 return False
+        if self.priorities_seen:
+            self.arrivals.add(req.priority, req.rows, req.t_seen)
         return True
 
     def _outranked_by(self, req: Request):
@@ -125,8 +130,9 @@ class Admission:
         queued = max(len(self.backlog) - self.room, 0)
         if queued or self._published:
             self._all[self._mine + _QUEUED] = self._published = queued
-            self._floats[self._mine + _NEWCOMER] = self.rate.wait(self.in_progress
-                                                                  + self.backlog.rows_ahead(-1, 0, 1))
+            over = self.arrivals.above(0, time.monotonic()) if self.priorities_seen else 0.0
+            self._floats[self._mine + _NEWCOMER] = self.rate.wait(
+                self.in_progress + self.backlog.rows_ahead(-1, 0, 1), over)
 
     def close(self) -> None:
         self._all[self._mine + _QUEUED] = 0

@@ -237,6 +237,21 @@ class Holding:
         # alone; for wait_time, 87%). The hold ends as soon as they are all back.
         self._hold_until = time.monotonic() + self.policy.wait_time
 
+    def _close(self, batch: List[Request], c: _Collecting) -> List[Request]:
+        """The batch as it runs: without what would be answered after its caller's deadline
+        (Admission.at_close), its room given to what waits next -- a batch that ran short of
+        the late ones cost the on-time ones a whole batch's worth of capacity (measured: with
+        priorities at 2x, batches of 7.5 rows of 16, half the goodput)."""
+        kept = self.admission.at_close(batch)
+        while len(kept) < len(batch) and self.backlog:
+            batch = kept
+            c.rows = sum(r.rows for r in batch)
+            if not batch:
+                c.key, c.kind = None, ()
+            self._from_backlog(batch, c)
+            kept = self.admission.at_close(batch)
+        return kept
+
     def _top_up(self, batch: List[Request], c: _Collecting) -> None:
         """The batch closes: the second turns held back (_fill) fill what room is left."""
         c.holding = False

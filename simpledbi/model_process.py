@@ -446,7 +446,7 @@ class ModelServer(Holding):
                 break
         if c.holding:
             self._top_up(batch, c)
-        return self.admission.at_close(batch)   # nothing runs for a caller past its deadline
+        return self._close(batch, c)
 
     # ------------------------------------------------------------ one batch
     def _gather(self, batch: List[Request]):

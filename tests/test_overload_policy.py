@@ -5,7 +5,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from simpledbi.overload import Backlog, Limits, Refusal, ServiceRate, admit, late_at_close, queue_full
+from simpledbi.overload import (Backlog, Limits, PriorityArrivals, Refusal, ServiceRate, admit, late_at_close,
+                               queue_full)
 
 
 @dataclass
@@ -79,6 +80,28 @@ def test_admit_refuses_what_cannot_make_its_deadline():
     why = admit(10.0, 10.1, 200, rate)                            # 205 ms > 100 ms
     assert why == Refusal("deadline", pytest.approx(0.205))
     assert Refusal.parse(why.text()) == Refusal("deadline", pytest.approx(0.205))
+
+
+def test_higher_priorities_arriving_meanwhile_lengthen_the_wait():
+    rate = ServiceRate(memory=1.0)
+    rate.rows_per_s, rate.latency = 1000.0, 0.005
+    # 80 rows ahead drain at 1000 - 200 rows/s while 200 rows/s of higher priorities overtake
+    assert rate.wait(80, overtaking=200.0) == pytest.approx(0.1 + 0.005)
+    assert admit(10.0, 10.1, 80, rate) is None                    # alone: 85 ms, taken
+    assert admit(10.0, 10.1, 80, rate, overtaking=200.0).reason == "deadline"   # 105 ms
+    assert rate.wait(1, overtaking=1000.0) == float("inf")        # it would never run
+    assert rate.wait(0, overtaking=1000.0) == pytest.approx(0.005)
+
+
+def test_priority_arrivals_counts_only_what_is_above():
+    a = PriorityArrivals(tau=1.0)
+    for i in range(100):
+        a.add(1, 2, 5.0)   # 200 rows at priority 1, all at t = 5
+        a.add(0, 1, 5.0)
+    assert a.above(0, 5.0) == pytest.approx(200.0)
+    assert a.above(1, 5.0) == 0.0
+    assert a.above(-3, 5.0) == pytest.approx(300.0)
+    assert a.above(0, 6.0) == pytest.approx(200.0 / 2.718281828, rel=1e-3)   # decays over tau
 
 
 def test_late_at_close_counts_the_batch_own_time():
