@@ -352,6 +352,12 @@ class SharedModel(Inputs):
               names: int = 0, positions: Optional[Tuple[int, ...]] = None):
         if h.ctl.state >= STOPPING:
             self._raise_runtime_state(h, slot)
+        if deadline is not None and slot.priority <= 0:
+            wait = h.ctl.newcomer_wait()   # every serving process has requests waiting
+            if wait is not None and time.monotonic() + wait > deadline:
+                with h.lock:        # counted by the model process that takes this handle's
+                    h.refused += 1  # next request
+                raise _overloaded(self.name, Refusal("deadline", wait), slot.call_timeout, slot.call_start)
         cancel = _CANCEL.get()
         if cancel is None:
             return self._publish_and_wait(h, slot, arrays, deadline, names, positions)
@@ -362,6 +368,9 @@ class SharedModel(Inputs):
             cancel.unwatch()   # before the slot is lent to another call
 
     def _publish_and_wait(self, h: "_Handles", slot: ClientSlot, arrays, deadline, names, positions):
+        if h.refused:   # this datagram reports the calls refused here, unsent
+            with h.lock:
+                slot.refused, h.refused = slot.refused + h.refused, 0
         try:
             seq = slot.publish(arrays, names, positions, deadline or 0.0, slot.priority)
             sent = True
@@ -432,7 +441,7 @@ class SharedModel(Inputs):
                 # answers then never ran): attached by name, the call goes to the successor
                 h.gone = True
                 raise _Resend()
-            self._raise_status(status, text, slot.call_timeout, slot.call_start)
+            raise _status_error(self.name, status, text, slot.call_timeout, slot.call_start)
         outs = slot.outputs()
         out_names = slot.output_names() if structure >= OUT_DICT else b""
         self._latest = timing = slot.timing_tuple()
@@ -493,38 +502,46 @@ class SharedModel(Inputs):
         raise RuntimeStopped(f"model {self.name!r}: the runtime is shutting down")
 
 
-    def _raise_status(self, status: int, text: str, timeout: Optional[float] = None,
-                      t_call: float = 0.0) -> None:
-        if status == ST_OVERLOADED:
-            why = Refusal.parse(text)
-            wait = why.expected_wait + (time.monotonic() - t_call if t_call else 0.0)
-            if why.reason == "deadline":
-                message = (f"model {self.name!r} is overloaded: this call would have taken about "
-                           f"{wait * 1e3:.1f} ms, past its timeout"
-                           + (f" of {timeout * 1e3:.1f} ms" if timeout is not None else "")
-                           + "; the request was refused without running (retry later, or allow a "
-                           "longer timeout)")
-            else:
-                message = (f"model {self.name!r} is overloaded: ModelConfig.max_queue requests are "
-                           f"waiting; this request was refused without running")
-            raise Overloaded(message, why.reason, wait, timeout)
-        if status in (ST_MODEL_ERROR, ST_INTERNAL):
-            type_name, _, rest = text.partition("\n")
-            message, _, tb = rest.partition("\n")
-            where = "raised" if status == ST_MODEL_ERROR else "failed internally with"
-            raise ModelError(f"model {self.name!r} {where} {type_name}: {message}",
-                             remote_type=type_name, remote_traceback=tb)
-        if status == ST_BAD_REQUEST:
-            raise ValueError(f"model {self.name!r} rejected the request: {text}")
-        if status == ST_STOPPED:
-            raise RuntimeStopped(f"model {self.name!r}: {text or 'runtime stopped'}")
-        if status == ST_DIED:
-            raise ModelProcessDied(f"model {self.name!r}: {text}")
-        if status == ST_FULL:
-            raise SlotsExhausted(f"model {self.name!r}: {text}")
-        if status == ST_EXPIRED:
-            raise TimeoutError(f"model {self.name!r}: no result within the timeout ({text})")
-        raise ModelProcessDied(f"model {self.name!r}: unknown response status {status}: {text}")
+def _overloaded(name: str, why: Refusal, timeout: Optional[float], t_call: float) -> Overloaded:
+    """The ``Overloaded`` a refused call raises (refused by a model process, or by its client on
+    the wait the model's processes published: NOTE [overload])."""
+    wait = why.expected_wait + (time.monotonic() - t_call if t_call else 0.0)
+    if why.reason == "deadline":
+        expected = (f"about {wait * 1e3:.1f} ms" if wait != float("inf") else
+                    "longer than any timeout (higher priorities take all of its capacity)")
+        message = (f"model {name!r} is overloaded: this call would have taken {expected}, past its "
+                   f"timeout" + (f" of {timeout * 1e3:.1f} ms" if timeout is not None else "")
+                   + "; the request was refused without running (retry later, or allow a longer "
+                   "timeout)")
+    else:
+        message = (f"model {name!r} is overloaded: ModelConfig.max_queue requests are waiting; this "
+                   f"request was refused without running")
+    return Overloaded(message, why.reason, wait, timeout)
+
+
+def _status_error(name: str, status: int, text: str, timeout: Optional[float] = None,
+                  t_call: float = 0.0) -> Exception:
+    """The exception a call raises for the response ``status`` (not ST_OK) and its ``text``."""
+    if status == ST_OVERLOADED:
+        return _overloaded(name, Refusal.parse(text), timeout, t_call)
+    if status in (ST_MODEL_ERROR, ST_INTERNAL):
+        type_name, _, rest = text.partition("\n")
+        message, _, tb = rest.partition("\n")
+        where = "raised" if status == ST_MODEL_ERROR else "failed internally with"
+        return ModelError(f"model {name!r} {where} {type_name}: {message}",
+                          remote_type=type_name, remote_traceback=tb)
+    if status == ST_BAD_REQUEST:
+        return ValueError(f"model {name!r} rejected the request: {text}")
+    if status == ST_STOPPED:
+        return RuntimeStopped(f"model {name!r}: {text or 'runtime stopped'}")
+    if status == ST_DIED:
+        return ModelProcessDied(f"model {name!r}: {text}")
+    if status == ST_FULL:
+        return SlotsExhausted(f"model {name!r}: {text}")
+    if status == ST_EXPIRED:
+        return TimeoutError(f"model {name!r}: no result within the timeout ({text})")
+    return ModelProcessDied(f"model {name!r}: unknown response status {status}: {text}")
+
 
 def _check_priority(priority) -> int:
     if not isinstance(priority, int) or isinstance(priority, bool):
@@ -598,6 +615,7 @@ class _Handles:
         self._send_fd = not _dumpable()
         self._sndtimeo = -1.0
         self.default_timeout = ctl.default_timeout   # ModelConfig.default_timeout, or None
+        self.refused = 0   # calls refused here (NOTE [overload]) not reported to the model yet
 
     @classmethod
     def open(cls, namespace: str, name: str) -> "_Handles":

@@ -103,5 +103,7 @@ class Overloaded(SimpleDBIError, TimeoutError):
 
     @property
     def retry_after(self) -> float:
-        """Seconds a caller could reasonably wait before trying again (at least 1 ms)."""
-        return max(self.expected_wait - (self.timeout or 0.0), 0.001)
+        """Seconds a caller could reasonably wait before trying again: at least 1 ms, at most a
+        minute (an unbounded expected wait -- higher priorities take all of the capacity -- still
+        gives a number an HTTP ``Retry-After`` can carry)."""
+        return min(max(self.expected_wait - (self.timeout or 0.0), 0.001), 60.0)

@@ -37,6 +37,7 @@ _INST_PID, _INST_STATE = INSTANCE.fields["pid"][1] // 8, INSTANCE.fields["state"
 _INST_WORDS = INSTANCE.itemsize // 8
 WAKE = object()                   # what next() returns for the runtime's wake-up datagram
 _MAX_PRIORITY = 1000              # SharedModel's bound on priority (a scribbled one is clamped)
+_MAX_REFUSED = 1 << 20            # a scribbled count of a client's own refusals is bounded
 #: Precise waits shorter than this use select(), whose timer is precise, rather than the socket's
 #: receive timeout, which the kernel rounds up to scheduler ticks (1-4 ms, and one more: measured
 #: 8 ms for any timeout under 4 ms on a 250 Hz kernel). Other waits keep the receive timeout: a
@@ -150,7 +151,7 @@ class Intake:
     def _checked(self, data: bytes, pid: int, uid: int, fd: Optional[int]):
         if len(data) < REQ_PREFIX.size or uid != self.uid or pid <= 0:
             return None   # not from a process of ours: nothing to answer into
-        magic, fd_no, token, seq, rows, t_pub, deadline, priority = REQ_PREFIX.unpack_from(data)
+        magic, fd_no, token, seq, rows, t_pub, deadline, priority, refused = REQ_PREFIX.unpack_from(data)
         if magic != REQ_MAGIC:
             if magic == FWD_MAGIC and self._sibling(pid) and len(data) >= FWD_PREFIX.size + REQ_PREFIX.size:
                 client = FWD_PREFIX.unpack_from(data)[2]
@@ -164,6 +165,8 @@ class Intake:
             peer = self._open(pid, fd_no, token, fd)
             if peer is None:
                 return None
+        if refused > 0:   # calls its client refused itself since (NOTE [overload]): counted here
+            self.count("shed_deadline", min(refused, _MAX_REFUSED))
         if not peer.claim(seq, self.row, self.pid):
             self.count("withdrawn")   # taken back before I got to it (or a datagram sent again)
             return None
@@ -240,7 +243,7 @@ class Intake:
         peer = req.peer
         msg = FWD_PREFIX.pack(FWD_MAGIC, 0, peer.pid) + REQ_PREFIX.pack(
             REQ_MAGIC, peer.fd_no, peer.token, req.seq, req.rows, req.t_publish, req.deadline,
-            req.priority) + req.layout_raw
+            req.priority, 0) + req.layout_raw
         anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("i", peer.seg.fd))] if peer.passed else []
         peer.unclaim()
         try:
@@ -307,7 +310,7 @@ def _peek_seq(peer: Peer) -> int:
 def wake_datagram() -> bytes:
     """What the runtime sends a model's socket to wake one model process (WAKE_MAGIC; honoured
     only from the runtime's own pid)."""
-    return REQ_PREFIX.pack(WAKE_MAGIC, -1, 0, 0, 0, 0.0, 0.0, 0)
+    return REQ_PREFIX.pack(WAKE_MAGIC, -1, 0, 0, 0, 0.0, 0.0, 0, 0)
 
 
 def answer_queued(sock: socket.socket, status: int, text: str, most: int = 100000) -> int:

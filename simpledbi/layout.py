@@ -33,7 +33,7 @@ import numpy as np
 from .shm import Segment, ns_path
 
 MAGIC = 0x31494244535F  # "_SDBI1"
-VERSION = 8
+VERSION = 9
 MAX_IO = 8          # inputs and outputs per request
 MAX_NAMES = 48      # input names a model declares: bits 0..47 of a request's ``flags``
 MAX_NDIM = 8        # dimensions of one item (an input or output row)
@@ -159,6 +159,9 @@ def _parts(held: int, rows: int):
 
 
 _HDR_STATE = HEADER.fields["state"][1] // 8
+_HDR_BANK = HEADER.fields["bank"][1] // 8
+_I_ROW = INSTANCE.itemsize // 8
+_I_STATE, _I_QUEUED, _I_NEWCOMER = (INSTANCE.fields[n][1] // 8 for n in ("state", "queued", "newcomer_wait"))
 
 
 def words(arr: np.ndarray, fmt: str = "q") -> memoryview:
@@ -188,6 +191,8 @@ class ControlBlock:
         self.hdr = self.header.reshape(())   # 0-d record: hdr["state"] reads and writes in place
         # the header's int64 words: ``state`` is read on every call, as a plain int
         self._hdr_words = words(self.header)
+        self._inst_words = words(self.all_instances)
+        self._inst_floats = words(self.all_instances, "d")
 
     @staticmethod
     def size(held: int, model_num: int) -> int:
@@ -307,10 +312,28 @@ class ControlBlock:
         return (tuple(d["names"]), tuple(tuple(s) for s in d["shapes"] or ()),
                 tuple(d["dtypes"] or ()))
 
+    def newcomer_wait(self) -> Optional[float]:
+        """Seconds a new request of default priority would wait at the least busy serving model
+        process, as each last published it -- when every one of them has requests waiting (else
+        None: one of them starts it in its next batch). A call that cannot wait that long is
+        refused by its client, unsent (NOTE [overload])."""
+        w, f, bank = self._inst_words, self._inst_floats, self._hdr_words[_HDR_BANK] & 1
+        best = None
+        for r in range(bank * self._model_num, (bank + 1) * self._model_num):
+            b = r * _I_ROW
+            if w[b + _I_STATE] != INST_READY:
+                continue
+            if w[b + _I_QUEUED] <= 0:
+                return None
+            if best is None or f[b + _I_NEWCOMER] < best:
+                best = f[b + _I_NEWCOMER]
+        return best
+
     def close(self) -> None:
-        if self._hdr_words is not None:
-            self._hdr_words.release()
-        for k in self.PARTS + ("hdr", "_hdr_words"):
+        for view in (self._hdr_words, self._inst_words, self._inst_floats):
+            if view is not None:
+                view.release()
+        for k in self.PARTS + ("hdr", "_hdr_words", "_inst_words", "_inst_floats"):
             setattr(self, k, None)
         self.seg.close()
 
@@ -359,7 +382,11 @@ WAKE_MAGIC = 0x5344_4257       # "SDBW": from the runtime itself: look at the mo
 # kernel says the sender is a model process of this model.
 FWD_MAGIC = 0x5344_4246
 FWD_PREFIX = struct.Struct("<Iiq")       # magic, 0, client pid
-REQ_PREFIX = struct.Struct("<IiQqqddq")   # magic, fd, token, seq, rows, t_publish, deadline, priority
+# ``refused``: calls this slot's client refused itself since its previous datagram, without
+# sending them (every serving process published a wait past their deadline: NOTE [overload]);
+# the process that takes this datagram counts them.
+REQ_PREFIX = struct.Struct("<IiQqqddii")  # magic, fd, token, seq, rows, t_publish, deadline,
+#                                           priority, refused
 LAYOUT_HEAD = struct.Struct("<qqq")      # out_offset, flags, n_in
 INPUT_HEAD = struct.Struct("<qqq")       # dtype code, ndim, offset
 MAX_DATAGRAM = REQ_PREFIX.size + LAYOUT_HEAD.size + MAX_IO * (INPUT_HEAD.size + 8 * MAX_NDIM)

@@ -28,8 +28,17 @@ stays at one batch ahead otherwise, since what one process takes the others cann
 (Admission.look_ahead; Intake.hand_back gives an idle peer what a busy one holds beyond its next
 batch). With callers that set deadlines it keeps taking them while the device runs a batch (a
 CPU model's forward pass then runs on a helper thread), so most refusals come within a fraction
-of a millisecond of the call, not after the batch ahead. Every refusal is the model process's:
-it sees what waits, and counts what it refused (stats, status, Prometheus).
+of a millisecond of the call, not after the batch ahead.
+
+**The client refuses first when it can.** Each model process publishes in its instance row how
+many requests wait there and how long a newcomer at default priority would wait
+(``newcomer_wait``, the same estimate as above). While every serving process has requests
+waiting, a call at priority <= 0 whose timeout is shorter than the least of those waits is
+refused by its client, never sent (ControlBlock.newcomer_wait): with several processes, a
+request left in the kernel's queue -- or its client blocked sending to a full one -- would
+otherwise learn its fate only once a process took it. Its handle's next datagram carries the
+count, and the process that takes it adds them to ``rejected`` (stats, status, Prometheus). A
+call of higher priority, or one a process could start in its next batch, is always sent.
 """
 from __future__ import annotations
 

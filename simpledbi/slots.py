@@ -124,7 +124,8 @@ class ClientSlot:
         self._inputs = [(dt, off) for off, dt in zip(offsets, dtypes)]
         self._codes = [dtype_code(dt) for dt in dtypes]
         self._prefix = bytearray(REQ_PREFIX.size)
-        REQ_PREFIX.pack_into(self._prefix, 0, REQ_MAGIC, self.seg.fd, self.token, 0, 0, 0.0, 0.0, 0)
+        REQ_PREFIX.pack_into(self._prefix, 0, REQ_MAGIC, self.seg.fd, self.token, 0, 0, 0.0, 0.0, 0, 0)
+        self.refused = 0   # calls refused here, not sent (the next datagram reports them)
         self._layouts: Dict[tuple, bytes] = {}   # (names, positions, item shapes) -> layout bytes
         self._anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [self.seg.fd]).tobytes())] \
             if send_fd else None
@@ -177,8 +178,9 @@ class ClientSlot:
         return seq
 
     def _prefix_bytes(self, seq: int, rows: int, now: float, deadline: float, priority: int) -> bytes:
-        p = self._prefix
-        _SEQ_ROWS_T.pack_into(p, _SEQ_B, seq, rows, now, deadline, priority)
+        p, refused = self._prefix, min(self.refused, 2**31 - 1)
+        _SEQ_ROWS_T.pack_into(p, _SEQ_B, seq, rows, now, deadline, priority, refused)
+        self.refused -= refused
         return bytes(p)
 
     def send(self, msg: bytes, block: bool = False) -> None:
@@ -311,10 +313,10 @@ class ClientSlot:
 
 
 _SEQ_B = 16   # offset of seq in REQ_PREFIX: magic u32, fd i32, token u64
-_SEQ_ROWS_T = struct.Struct("<qqddq")   # seq, rows, t_publish, deadline, priority
+_SEQ_ROWS_T = struct.Struct("<qqddii")   # seq, rows, t_publish, deadline, priority, refused
 _T_B = _SEQ_B + 16
-assert REQ_PREFIX.unpack(REQ_PREFIX.pack(1, 2, 3, 4, 5, 6.0, 7.0, 8))[3:] == \
-    _SEQ_ROWS_T.unpack_from(REQ_PREFIX.pack(1, 2, 3, 4, 5, 6.0, 7.0, 8), _SEQ_B)
+assert REQ_PREFIX.unpack(REQ_PREFIX.pack(1, 2, 3, 4, 5, 6.0, 7.0, 8, 9))[3:] == \
+    _SEQ_ROWS_T.unpack_from(REQ_PREFIX.pack(1, 2, 3, 4, 5, 6.0, 7.0, 8, 9), _SEQ_B)
 
 
 # ================================================================ model-process side

@@ -515,7 +515,7 @@ def test_datagrams_from_a_raw_socket_cost_nothing(start_runtime):
             layout = m._h.idle[0]._msg[REQ_PREFIX.size:]
             for fd in (0, 1, 2, regular, plain, s.fileno(), 9999, -1):
                 for token in (0, 1, 2**64 - 1):
-                    s.send(REQ_PREFIX.pack(REQ_MAGIC, fd, token, 1, 1, time.monotonic(), 0.0, 0) + layout)
+                    s.send(REQ_PREFIX.pack(REQ_MAGIC, fd, token, 1, 1, time.monotonic(), 0.0, 0, 0) + layout)
             for v in range(20):
                 x = np.full((1, 2), float(v), np.float32)
                 np.testing.assert_array_equal(m.forward(x, timeout=10), x * 2 + 1)

@@ -60,12 +60,36 @@ def test_a_call_that_cannot_make_its_deadline_is_refused_at_once(start_runtime):
     assert isinstance(e, SimpleDBIError) and isinstance(e, TimeoutError)
     assert "overloaded" in str(e) and "500.0 ms" in str(e)
     assert took < 0.5, "refused only after its deadline"
+    assert took < 0.05, "the client refuses on the wait the model process published, unsent"
     for k, (t, out) in enumerate(calls):     # nothing else lost or crossed
         t.join(60)
         np.testing.assert_array_equal(out["y"], X * k * 2 + 1)
     s = m.stats()
-    assert s["rejected"] == {"deadline": 1, "queue": 0} and s["requests"] == 10   # it never ran
+    assert s["rejected"] == {"deadline": 0, "queue": 0} and s["requests"] == 10   # it never ran
     np.testing.assert_array_equal(m.forward(X, timeout=30), X * 2 + 1)   # healthy after
+    # the client's own refusal is counted once its next request reaches a model process
+    assert m.stats()["rejected"] == {"deadline": 1, "queue": 0}
+
+
+@pytest.mark.timeout(120)
+def test_a_model_process_refuses_what_its_client_could_not_judge(start_runtime):
+    """The wait a model process publishes is a newcomer's at default priority; a lower priority
+    waits behind every default one, which only the model process sees: it refuses it."""
+    rt = start_runtime(cpu_model("m", functools.partial(models.sleepy, 0.2), max_batch_size=1))
+    m = SharedModel("m", max_shape=(1, 4), namespace=rt.namespace)
+    calls = [_call_in_thread(m, X * k) for k in range(10)]
+    _wait_for(lambda: m.stats()["batches"] >= 3 and _held(m) >= 4)
+    newcomer = float(m.ctl.instances["newcomer_wait"][0])
+    assert 0 < newcomer < 1.0    # a newcomer at priority 0 would be answered within 1 s ...
+    t0 = time.monotonic()
+    with pytest.raises(Overloaded) as info:
+        m.forward(X, timeout=1.0, priority=-1)   # ... one at -1 would wait for all of them
+    assert info.value.reason == "deadline" and info.value.expected_wait > 1.0
+    assert time.monotonic() - t0 < 1.0
+    assert m.stats()["rejected"] == {"deadline": 1, "queue": 0}   # the model process refused it
+    for k, (t, out) in enumerate(calls):
+        t.join(60)
+        np.testing.assert_array_equal(out["y"], X * k * 2 + 1)
 
 
 @pytest.mark.timeout(120)
