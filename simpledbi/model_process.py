@@ -437,7 +437,7 @@ class ModelServer(Holding):
                 break
             if device_busy:
                 wait = min(wait, _BUSY_POLL)  # check the device now and then while waiting
-            got = intake.next(wait)
+            got = intake.next(wait, precise=device_busy)   # (a kernel timeout oversleeps by ticks)
             if isinstance(got, Request):
                 if self._took(got):
                     self.backlog.add(got)
