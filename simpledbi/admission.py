@@ -8,8 +8,8 @@ import time
 from typing import Callable, List, Sequence
 
 from .layout import INSTANCE, ST_EXPIRED, ST_OVERLOADED, ControlBlock, words
-from .overload import (Backlog, Limits, PriorityArrivals, Refusal, ServiceRate, admit, late_at_close,
-                       queue_full)
+from .overload import (Backlog, Limits, PriorityArrivals, Refusal, ServiceRate, admit, queue_full,
+                       refused_at_close)
 from .slots import Request
 
 _QUEUED = INSTANCE.fields["queued"][1] // 8
@@ -100,18 +100,15 @@ class Admission:
         time this batch is answered (refused ``Overloaded``)."""
         if not self.deadlines_seen:
             return batch
-        now = time.monotonic()
-        rate = self.rate
-        late = [r for r in batch if late_at_close(now, r.deadline, rate)]
-        if not late:
+        expired, doomed = refused_at_close(time.monotonic(), batch, self.rate)
+        if not expired and not doomed:
             return batch
-        expired = [r for r in late if r.deadline <= now]
         if expired:
             self._fail(expired, ST_EXPIRED, "the call's timeout passed before its batch ran")
             self._count("expired", len(expired))
-        doomed = [r for r in late if r.deadline > now]
         if doomed:
-            self.refuse(doomed, Refusal("deadline", rate.latency_bound))
+            self.refuse(doomed, Refusal("deadline", self.rate.latency_bound))
+        late = expired + doomed
         gone = {id(r) for r in late}
         self.in_progress -= sum(r.rows for r in late)
         return [r for r in batch if id(r) not in gone]

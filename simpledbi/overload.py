@@ -316,6 +316,20 @@ def late_at_close(now: float, deadline: float, rate: ServiceRate) -> bool:
     return deadline > 0.0 and now + rate.latency_bound > deadline
 
 
+def refused_at_close(now: float, batch: List, rate: ServiceRate) -> Tuple[List, List]:
+    """At batch close: (expired, doomed) -- the requests of ``batch`` whose deadline has passed,
+    and those the learned latency says would be answered after it. A batch is never emptied of
+    doomed ones alone: the one with the latest deadline runs, since only a batch that runs
+    corrects the estimate (measured: after a slow first batch, a model refused every call of a
+    half load, for good, once its latency estimate exceeded their 100 ms timeout)."""
+    late = [r for r in batch if late_at_close(now, r.deadline, rate)]
+    expired = [r for r in late if r.deadline <= now]
+    doomed = [r for r in late if r.deadline > now]
+    if doomed and len(expired) + len(doomed) == len(batch):
+        doomed.remove(max(doomed, key=lambda r: r.deadline))
+    return expired, doomed
+
+
 def queue_full(limits: Limits, waiting: int) -> bool:
     """``waiting`` requests across the model: is there room for one more?"""
     return limits.max_queue is not None and waiting >= limits.max_queue

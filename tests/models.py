@@ -342,10 +342,14 @@ def slow_to_load():
     return Affine()
 
 
+SLOW, SLOW_SECONDS = -7.0, 1.0
+
+
 class Sleepy(nn.Module):
     """Takes ``seconds`` per batch whatever its size, sleeping (as a device would, leaving the
     CPU to the clients): a model of known capacity, max_batch_size / seconds rows per second.
-    A row whose first value is ``GATE`` waits for the gate as Gated does."""
+    A row whose first value is ``GATE`` waits for the gate as Gated does; a batch with a
+    ``SLOW`` value takes ``SLOW_SECONDS`` more (a cold first batch, a stall)."""
 
     def __init__(self, seconds: float, gate_name: str = ""):
         super().__init__()
@@ -355,7 +359,7 @@ class Sleepy(nn.Module):
     def forward(self, x):
         if self.gate is not None and bool((x == GATE).any()):
             self.gate.forward(x)
-        time.sleep(self.seconds)
+        time.sleep(self.seconds + (SLOW_SECONDS if bool((x == SLOW).any()) else 0.0))
         return x * 2 + 1
 
 

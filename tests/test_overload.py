@@ -72,6 +72,24 @@ def test_a_call_that_cannot_make_its_deadline_is_refused_at_once(start_runtime):
 
 
 @pytest.mark.timeout(120)
+def test_one_slow_batch_does_not_refuse_every_later_call(start_runtime):
+    """A batch that took far longer than the calls' timeouts (a cold start, a stall) must not
+    make the model refuse every later call with a timeout: only a batch that runs can correct
+    what it learned, so one always does."""
+    rt = start_runtime(cpu_model("m", functools.partial(models.sleepy, 0.01), max_batch_size=4))
+    m = SharedModel("m", max_shape=(1, 4), namespace=rt.namespace)
+    np.testing.assert_array_equal(m.forward(X * models.SLOW), X * models.SLOW * 2 + 1)   # 1 s
+    answered = 0
+    for k in range(20):   # one at a time, well below capacity, each with 0.3 s to spare
+        try:
+            np.testing.assert_array_equal(m.forward(X * k, timeout=0.3), X * k * 2 + 1)
+            answered += 1
+        except Overloaded:
+            pass
+    assert answered >= 15, f"only {answered} of 20 calls at low load answered after one slow batch"
+
+
+@pytest.mark.timeout(120)
 def test_a_model_process_refuses_what_its_client_could_not_judge(start_runtime):
     """The wait a model process publishes is a newcomer's at default priority; a lower priority
     waits behind every default one, which only the model process sees: it refuses it."""

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import pytest
 
 from simpledbi.overload import (Backlog, Limits, PriorityArrivals, Refusal, ServiceRate, admit, late_at_close,
-                               queue_full)
+                               queue_full, refused_at_close)
 
 
 @dataclass
@@ -109,6 +109,19 @@ def test_late_at_close_counts_the_batch_own_time():
     rate.latency = 0.02
     assert late_at_close(1.0, 1.01, rate) and not late_at_close(1.0, 1.05, rate)
     assert not late_at_close(1.0, 0.0, rate)   # no deadline
+
+
+def test_a_batch_is_never_emptied_on_the_estimate_alone():
+    rate = ServiceRate()
+    rate.latency = 0.5                     # learned from a slow batch: longer than any timeout here
+    a, b, c = Req(1, 0.0, deadline=10.1), Req(2, 0.0, deadline=10.3), Req(3, 0.0, deadline=9.9)
+    expired, doomed = refused_at_close(10.0, [a, b, c], rate)
+    assert expired == [c]                  # its caller's deadline passed: never runs
+    assert doomed == [a]                   # b, the latest deadline, runs: the estimate gets a sample
+    fine = Req(4, 0.0, deadline=20.0)
+    assert refused_at_close(10.0, [a, b, fine], rate) == ([], [a, b])   # someone runs anyway
+    assert refused_at_close(10.0, [c], rate) == ([c], [])
+    assert refused_at_close(10.0, [Req(5, 0.0)], rate) == ([], [])      # no deadline
 
 
 def test_queue_bound():
