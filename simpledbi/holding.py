@@ -48,15 +48,15 @@ class Holding:
     def _await_device(self, flight) -> None:
         """With callers that set deadlines: while the device finishes ``flight``, keep taking
         requests off the socket, so that one that cannot make its deadline is refused at once
-        (NOTE [overload]), not after this batch -- up to one batch ahead when the model has
-        other processes (Admission.look_ahead). Otherwise the wait is the engine's (a blocking
-        synchronize)."""
+        (NOTE [overload]), not after this batch -- as far ahead as Admission.takes_more says.
+        Otherwise the wait is the engine's (a blocking synchronize)."""
         launched = flight.launched
         if launched is None or flight.error is not None or not launched.started or \
                 not self.admission.deadlines_seen:
             return
-        intake, backlog, ahead = self.intake, self.backlog, self.admission.look_ahead
-        while not launched.ready() and not intake.full and (ahead or backlog.rows < self.max_batch):
+        intake, backlog, admission = self.intake, self.backlog, self.admission
+        while not launched.ready() and not intake.full and (backlog.rows < self.max_batch or
+                                                           admission.takes_more(self.max_batch)):
             got = intake.next(_BUSY_POLL, precise=True)
             if isinstance(got, Request) and self._took(got):
                 self.backlog.add(got)
@@ -126,8 +126,9 @@ class Holding:
         next time), unless a peer is idle: the socket's queue is short (net.unix.max_dgram_qlen,
         10 by default), and each request taken from a full one wakes a client blocked in send --
         at 128 clients, they spent 40% of their time there and the model processes a wake-up
-        per request. Past one batch it takes everything when order or refusal is a decision
-        (Admission.look_ahead): a client's request still in the kernel queue gets no turn.
+        per request. Past one batch it goes on as Admission.takes_more says -- everything when
+        order is a decision, past capacity as far as its peers do: a client's request still in
+        the kernel queue gets no turn and no refusal.
 
         Fair turns (NOTE [overload]): while clients just answered may still send, a client's
         second and later requests are held back until the batch closes -- a client just
@@ -139,10 +140,11 @@ class Holding:
             self._hand_back(c.limit)
         direct: List[Request] = []
         if not self.retiring:   # (what comes to a retiring process is for its successors)
-            look_ahead, admission = self.admission.look_ahead, self.admission
+            admission = self.admission
             while not intake.full:
                 held = c.rows + backlog.rows
-                if held >= c.limit and (self._peer_free() or held >= 2 * c.limit and not look_ahead):
+                if held >= c.limit and (self._peer_free() or held >= 2 * c.limit and
+                                        not admission.takes_more(c.limit)):
                     break
                 got = intake.next(0)
                 if got is None:
