@@ -4,7 +4,7 @@ Every run owns a *namespace* ``sdbi_<owner pid>_<128 random bits>``: a directory
 ``/dev/shm/<namespace>/`` created with ``mkdir(0o700)``, so other users can neither list, open,
 create nor squat anything inside. It holds only names: each model's request socket
 (``<m>.sock``) and a link to its control block (``<m>.ctl``); ``simpledbi serve`` adds its
-command socket. There are no named semaphores and no named segments.
+command socket.
 
 Shared memory is a *memfd* sealed against shrinking (``F_SEAL_SHRINK``): the kernel refuses to
 truncate it, to anyone, so a mapping of it can never SIGBUS -- the reason no process of a
@@ -17,9 +17,6 @@ a memfd goes when its last descriptor and mapping do.
 Why not ``multiprocessing.shared_memory``: before Python 3.13 it registers every *attach* with
 ``resource_tracker``, which unlinks the segment and warns "leaked shared_memory" when the
 attaching process exits (CPython #82300/#104291); and it cannot be sealed.
-
-:func:`sweep_namespace` removes a run's directory; :func:`sweep_dead_namespaces` finds
-namespaces whose owner process is gone.
 """
 from __future__ import annotations
 
