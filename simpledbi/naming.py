@@ -209,24 +209,26 @@ def _claim(path: str) -> Optional[str]:
     why = _why_not_private(path)
     if why != _MISSING:
         return why
-    try:
-        os.mkdir(path, 0o700)
-    except FileExistsError:
-        pass   # someone was quicker: judged below like anything else that is there
-    except OSError as e:
-        return f"could not be created ({e.strerror})"
-    else:
-        _make_private(path)
+    why = _mkdir_private(path)   # someone quicker is judged below like anything else there
+    if why is not None:
+        return f"could not be created ({why})"
     why = _why_not_private(path)
     return "was removed while being created" if why == _MISSING else why
 
 
-def _make_private(path: str) -> None:
-    """chmod 700 a directory we just made (umask, default ACL), through a descriptor of it."""
+def _mkdir_private(path: str) -> Optional[str]:
+    """mkdir ``path`` and chmod it 700 (umask, default ACL); None if made or already there, else
+    why not."""
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        return None
+    except OSError as e:
+        return e.strerror
     try:
         fd = os.open(path, _OPEN_DIR)
     except OSError:
-        return   # not a directory (any more): _why_not_private says so
+        return None   # not a directory (any more): _why_not_private says so
     try:
         if os.fstat(fd).st_uid == os.getuid():   # root may chmod anyone's: only ours
             os.fchmod(fd, 0o700)
@@ -240,14 +242,9 @@ def _claim_home(path: str) -> Optional[str]:
     """``_claim`` for ``~/.cache/simpledbi/run-<host>`` and the levels above it, up to the home."""
     top = os.path.dirname(path)
     cache = os.path.dirname(top)
-    try:
-        os.mkdir(cache, 0o700)
-    except FileExistsError:
-        pass
-    except OSError as e:
-        return f"could not be created ({cache}: {e.strerror})"
-    else:
-        _make_private(cache)   # a umask of 077x would leave it unusable
+    why = _mkdir_private(cache)   # chmod: a umask of 077x would leave it unusable
+    if why is not None:
+        return f"could not be created ({cache}: {why})"
     why = _claim(top)
     if why is not None:
         return f"is in {top}, which {why}"
