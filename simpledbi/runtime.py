@@ -347,10 +347,7 @@ class Runtime(Supervision, Reloads, Workers):
                     if self._janitor_conn is not None:
                         self._janitor_conn.close()
                         self._janitor_conn = None
-                self._janitor.join(self.options.join_timeout)
-                if self._janitor.is_alive():
-                    self._janitor.kill()
-                    self._janitor.join()
+                _join_or_kill(self._janitor, self.options.join_timeout)
             if restore is not None:
                 signal.signal(signal.SIGINT, restore)
 
@@ -363,10 +360,7 @@ class Runtime(Supervision, Reloads, Workers):
             if proc.is_alive():
                 proc.terminate()
         for proc in self.worker_procs.values():
-            proc.join(self.options.join_timeout)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
+            _join_or_kill(proc, self.options.join_timeout)
         with self._lifecycle_lock:  # a reload thread adds or drops processes only under it
             procs = self.model_procs
         deadline = time.monotonic() + self.options.join_timeout
@@ -377,10 +371,7 @@ class Runtime(Supervision, Reloads, Workers):
                 logger.warning("model %r process %d did not stop in time; terminating",
                                m.cfg.name, m.instance)
                 m.proc.terminate()
-                m.proc.join(2)
-            if m.proc.is_alive():
-                m.proc.kill()
-                m.proc.join()
+                _join_or_kill(m.proc, 2)
         for m in procs:
             if not m.conn.closed:
                 m.conn.close()
@@ -393,6 +384,13 @@ class Runtime(Supervision, Reloads, Workers):
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+
+def _join_or_kill(proc, timeout: float) -> None:
+    proc.join(timeout)
+    if proc.is_alive():
+        proc.kill()
+        proc.join()
 
 
 def _raise_exit(signum, frame):
