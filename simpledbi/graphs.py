@@ -39,9 +39,8 @@ class GraphsAndSizes:
     """The Engine's CUDA graphs and the batch sizes it has run (a mixin: Engine's state)."""
 
     def _init_graphs(self, cfg) -> None:
-        # CUDA graphs, per item signature ((item shape, dtype) per input): {batch size: _Graph}.
-        # A bucket that batches keep using is captured on a thread of its own (NOTE [graphs
-        # captured off the serving thread]) and used from the first batch after it is ready.
+        # CUDA graphs, per item signature: {batch size: _Graph} (NOTE [graphs captured off the
+        # serving thread]).
         self._graphs: dict = {}
         self._graph_sizes = cfg.graph_batch_sizes() if self.cuda else ()
         self._graph_queued: set = set()              # (signature, batch size) being captured
@@ -158,12 +157,12 @@ class GraphsAndSizes:
         try:
             for n in sorted(sizes, reverse=True):
                 self._graphs.setdefault(sig, {})[n] = self._capture(sig, n)
-                self.graph_total += 1
         except BaseException:
             self._graphs.pop(sig, None)
-            self.graph_total = sum(len(g) for g in self._graphs.values())
             torch.cuda.synchronize(self.device)
             raise
+        finally:
+            self.graph_total = sum(len(g) for g in self._graphs.values())
 
     def _capture(self, sig, n: int) -> "_Graph":
         """Capture the forward pass of ``n`` rows of ``sig`` (static zero inputs). Everything runs
