@@ -3,20 +3,8 @@
 A ``prometheus_client`` *custom collector*: each scrape reads the shared-memory counters and
 histograms that the model processes keep anyway (status.py), so there is no per-request cost,
 no multiprocess-mode directory and nothing to clean up. Names follow Triton's metrics (a
-dashboard built for one reads the other with a rename)::
-
-    simpledbi_request_success_total{model}            requests answered with a result
-    simpledbi_request_failure_total{model,reason}     model_error | bad_request
-    simpledbi_inference_count_total{model}            rows computed
-    simpledbi_batch_total{model}                      forward passes (batches)
-    simpledbi_batch_size{model}                       histogram of rows per batch
-    simpledbi_request_duration_seconds{model}         histogram, publish -> answer, per request
-    simpledbi_queue_duration_seconds{model}           histogram, publish -> batch start
-    simpledbi_compute_duration_seconds{model}         histogram, batch start -> answered
-    simpledbi_over_target_total{model}                answers later than latency_target
-    simpledbi_rejected_total{model,reason}            refused with Overloaded: deadline | queue
-    simpledbi_queued_requests{model}, simpledbi_attached_clients{model}, simpledbi_model_ready{model}
-    simpledbi_instance_up{model,instance,device}, simpledbi_instance_restarts_total{model,instance}
+dashboard built for one reads the other with a rename); ``_FAMILIES`` below lists them, with their
+labels: ``reason`` is model_error | bad_request for failures, deadline | queue for refusals.
 """
 from __future__ import annotations
 
