@@ -59,13 +59,10 @@ SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL
 
 
 class Segment:
-    """One mapped, sealed memfd. :meth:`create_memfd` makes one (and optionally a symlink to it
-    at ``link``, for other processes to open); :meth:`attach` opens one by such a path (or a
-    ``/proc/<pid>/fd/<n>`` path), refusing anything that is not a memfd sealed against
-    shrinking; ``readonly`` maps it without write access (what clients do with control blocks).
-
-    Views made with :meth:`ndarray` keep the mapping exported; drop them before :meth:`close`.
-    """
+    """One mapped, sealed memfd: made (:meth:`create_memfd`) or opened (:meth:`attach`,
+    :meth:`from_fd`: only a memfd sealed against shrinking), ``readonly`` for clients' control
+    blocks. Views made with :meth:`ndarray` keep the mapping exported; drop them before
+    :meth:`close`."""
 
     def __init__(self, fd: int, size: int, path: str = "", readonly: bool = False):
         self.fd: Optional[int] = fd
