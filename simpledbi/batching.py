@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from typing import Dict, List, NamedTuple, Optional, Tuple
 
 
-#: Waits shorter than this are not worth a sleep (a semaphore wait costs about as much).
+#: Waits shorter than this are not worth a sleep (the sleep costs about as much).
 MIN_WAIT = 20e-6
 
 

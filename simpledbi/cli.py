@@ -202,10 +202,9 @@ def _serve(args: argparse.Namespace) -> int:
     if running is not None:   # before "starting": this one would not (register() refuses too)
         raise RuntimeError(f"a simpledbi runtime named {cfg.name!r} is already running (pid "
                            f"{running.pid}); stop it or choose another name")
-    if cfg.metrics_port is not None:
-        if importlib.util.find_spec("prometheus_client") is None:
-            # before loading any model: a missing extra fails fast
-            raise ImportError("--metrics-port needs prometheus_client: pip install 'simpledbi[metrics]'")
+    if cfg.metrics_port is not None and importlib.util.find_spec("prometheus_client") is None:
+        # before loading any model: a missing extra fails fast
+        raise ImportError("--metrics-port needs prometheus_client: pip install 'simpledbi[metrics]'")
     stop = threading.Event()
     started = threading.Event()
 

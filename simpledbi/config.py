@@ -79,19 +79,18 @@ class ModelConfig:
     input_names: Optional[Sequence[str]] = None
     #: Cast parameters and floating inputs to this precision on the device.
     precision: str = "float32"
-    #: torch intra-op threads per model process (CPU); None: cores / model_num.
+    #: torch intra-op threads per model process (CPU); None: cores / CPU model processes.
     num_threads: Optional[int] = None
     #: How a batch reaches the device: "host" = np.concatenate into a pinned staging buffer and one
     #: copy; "device" = one DMA per request straight from registered shared memory; "auto" picks
     #: "device" on CUDA and "host" on CPU.
     gather: str = "auto"
-    #: CUDA graphs: "auto" (default: on CUDA, graphs for batches of up to 8 rows are captured
-    #: for each item shape that arrives -- while the process holds no requests; eager meanwhile,
-    #: and for good if capture fails, logged once), True (all sizes), False, or the batch sizes.
-    #: With ``input_shapes`` they are captured at load time (True / sizes: failure is an error).
-    #: A batch is padded up to the next captured size and replayed (padding rows never reach a
-    #: caller). Like dynamic batching itself, this assumes a model's rows are independent of
-    #: each other (eval-mode networks).
+    #: CUDA graphs: "auto" (default: on CUDA, graphs for batches of up to 8 rows, captured for
+    #: each item shape that arrives, off the serving thread; eager meanwhile, and for good if
+    #: capture fails), True (all sizes), False, or the batch sizes. With ``input_shapes`` they are
+    #: captured at load time (True / sizes: failure is an error). A batch is padded up to the next
+    #: captured size (padding rows never reach a caller): like batching itself, this assumes a
+    #: model's rows are independent of each other (eval-mode networks).
     cuda_graphs: Union[bool, str, Sequence[int]] = "auto"
     #: Most clients (SharedModel threads) that may attach at once.
     max_clients: int = 512

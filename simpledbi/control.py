@@ -14,7 +14,6 @@ import logging
 import os
 import socket
 import threading
-from typing import Optional
 
 from .shm import ns_path
 from .sources import describe
@@ -116,10 +115,10 @@ def _read_line(conn: socket.socket) -> bytes:
     return data
 
 
-def send(namespace: str, message: dict, timeout: Optional[float] = None) -> dict:
-    """Send one command to the serve process of ``namespace`` and return its answer."""
+def send(namespace: str, message: dict) -> dict:
+    """Send one command to the serve process of ``namespace`` and return its answer (which comes
+    once the command is done: no timeout)."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        s.settimeout(timeout)
         try:
             s.connect(socket_path(namespace))
         except (FileNotFoundError, ConnectionRefusedError):

@@ -2,17 +2,16 @@
 
 Runs only in model processes (it imports torch). Two data paths:
 
-* CPU: each request's rows are read with ``preadv`` from its slot's file descriptor straight
-  into a preallocated staging buffer (one copy, like ``np.concatenate``, but a client that
-  truncates its segment causes a short read -- an error for that client -- never a SIGBUS).
+* CPU: each request's rows are copied (one memmove) from its slot's mapping -- a sealed memfd,
+  which cannot SIGBUS -- into a preallocated staging buffer.
 * CUDA: ``gather="device"`` issues one asynchronous DMA per request straight from the client's
-  shared memory, which is mapped and registered once with ``cudaHostRegister`` so it counts as
-  pinned (the CPU never touches that mapping); ``gather="host"`` reads into a pinned staging
-  buffer and copies once. Outputs come back
-  with one copy per output into pinned memory; the caller scatters rows from there.
+  shared memory, registered once with ``cudaHostRegister`` so it counts as pinned (the CPU never
+  touches that mapping); ``gather="host"`` copies into a pinned staging buffer and transfers
+  once. Outputs come back with one copy per output into pinned memory; the caller scatters rows
+  from there.
 
-Timing of each stage is measured with CUDA events on the device (no extra synchronisation) and
-``perf_counter`` on the host, and reported per batch for the benchmark's breakdown.
+Stage times are measured per batch with CUDA events on the device (no extra synchronisation) and
+``perf_counter`` on the host.
 """
 from __future__ import annotations
 
@@ -28,14 +27,12 @@ import numpy as np
 import torch
 
 from .config import ModelConfig
-from .graphs import GraphsAndSizes
+from .graphs import GraphsAndSizes, signature
 from .layout import MAX_IO, MAX_NAMES, OUT_DICT, OUT_NAMEDTUPLE, OUT_TENSOR, OUT_TUPLE, encode_names
 
 logger = logging.getLogger(__name__)
 
 _PRECISION = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
 _memmove = ctypes.memmove
 
 
@@ -47,8 +44,8 @@ class BadModelOutput(Exception):
 class Gather:
     """What one batch reads: ``sources[k][r] = (address, offset, nbytes, dma)`` is request r's
     rows of input k in its client's slot, mapped at ``address`` (``dma``: the same address when
-    the slot is registered for DMA, else 0). ``short`` stays for requests whose rows could not be
-    read in full (none, since slots cannot shrink)."""
+    the slot is registered for DMA, else 0). ``short``: requests whose rows could not be read in
+    full (none, since slots cannot shrink)."""
 
     rows: int
     items: Tuple[Tuple[int, ...], ...]
@@ -56,11 +53,6 @@ class Gather:
     sources: List[List[Tuple[int, int, int, int]]]
     short: set = field(default_factory=set)
     names: Optional[Tuple[str, ...]] = None   # keyword inputs: the model is called with these names
-
-
-def _read_into(buf: np.ndarray, sources, short: set = None) -> None:
-    """Copy each source's bytes into consecutive bytes of ``buf`` (C-contiguous)."""
-    _read_bytes(buf.ctypes.data, sources)
 
 
 def _read_bytes(dst: int, sources) -> None:
@@ -220,55 +212,28 @@ class Engine(GraphsAndSizes):
 
     # ------------------------------------------------------------ staging buffers
     def _host_buf(self, bs: "_BufferSet", k: int, nbytes: int) -> np.ndarray:
-        while len(bs.host) <= k:
-            bs.host.append(np.empty(0, np.uint8))
-        if bs.host[k].nbytes < nbytes:
-            if self.cuda:
-                bs.host[k] = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).numpy()
-            else:
-                bs.host[k] = np.empty(nbytes, np.uint8)
-        return bs.host[k]
+        return _grown(bs.host, k, nbytes, (lambda n: _pinned(n).numpy()) if self.cuda else
+                      (lambda n: np.empty(n, np.uint8)))
 
     def _dev_buf(self, bs: "_BufferSet", k: int, nbytes: int) -> torch.Tensor:
         # Safe to replace: the set's previous batch was synchronised before the set is reused.
         # Zeros, not garbage: rows past a batch may be computed as padding (never NaN from here).
-        while len(bs.dev) <= k:
-            bs.dev.append(torch.empty(0, dtype=torch.uint8, device=self.device))
-        if bs.dev[k].numel() < nbytes:
-            bs.dev[k] = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
-        return bs.dev[k]
-
-    def _out_buf(self, bs: "_BufferSet", j: int, nbytes: int) -> torch.Tensor:
-        while len(bs.out) <= j:
-            bs.out.append(torch.empty(0, dtype=torch.uint8, pin_memory=True))
-        if bs.out[j].numel() < nbytes:
-            bs.out[j] = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-        return bs.out[j]
+        return _grown(bs.dev, k, nbytes, lambda n: torch.zeros(n, dtype=torch.uint8, device=self.device))
 
     # ------------------------------------------------------------ one batch
-    def run(self, g: Gather) -> BatchResult:
-        return self.finish(self.launch(g))
-
-    def launch(self, g: Gather) -> "Launched":
-        """Start a batch. On CUDA this only enqueues work (copies on one stream, forward and
-        device->host on another) and returns; on the CPU the batch is computed here. At most two
-        launched batches may be unfinished at a time (two buffer sets)."""
-        return self.start(self.stage(g))
-
     def run_simple(self, g: Gather) -> BatchResult:
         """Compute a batch synchronously with buffers of its own (poison isolation retries run
         here, beside whatever the pipelined path has in flight)."""
         xs = []
         for k, (item, dt) in enumerate(zip(g.items, g.dtypes)):
             arr = np.empty((g.rows, *item), dt)
-            _read_into(arr, g.sources[k], g.short)
-            x = torch.from_numpy(arr).to(self.device)
-            if self.cast is not None and x.is_floating_point():
-                x = x.to(self.cast)
-            xs.append(x)
+            _read_bytes(arr.ctypes.data, g.sources[k])
+            xs.append(self._cast(torch.from_numpy(arr).to(self.device)))
         outs, structure = _as_list(self._forward(xs, g.names))
-        arrays = [_to_numpy(o) for o in outs]
-        return BatchResult(arrays, structure)
+        return BatchResult([_to_numpy(o) for o in outs], structure)
+
+    def _cast(self, x: torch.Tensor) -> torch.Tensor:
+        return x.to(self.cast) if self.cast is not None and x.is_floating_point() else x
 
     def _forward(self, xs: List[torch.Tensor], names: Optional[Tuple[str, ...]]):
         return self.model(*xs) if names is None else self.model(**dict(zip(names, xs)))
@@ -324,8 +289,9 @@ class Engine(GraphsAndSizes):
         return BatchResult(arrays, structure, times)
 
     def stage(self, g: Gather) -> "Launched":
-        """First half of :meth:`launch`: claim a buffer set and enqueue the host->device copies
-        (on the copy stream, so they overlap whatever the compute stream is running)."""
+        """Start a batch, first half: claim a buffer set and enqueue the host->device copies (on
+        the copy stream, so they overlap whatever the compute stream is running). At most two
+        batches may be unfinished at a time (two buffer sets)."""
         if not self.cuda:
             return Launched(gather_in=g)
         bs = self._sets[self._next_set]
@@ -347,7 +313,7 @@ class Engine(GraphsAndSizes):
                     if bs.host_copied:  # the last copy out of this pinned buffer must be done
                         ev["copied"].synchronize()
                     buf = self._host_buf(bs, k, nbytes)[:nbytes]
-                    _read_into(buf, sources, g.short)
+                    _read_bytes(buf.ctypes.data, sources)
                     dev[:nbytes].copy_(torch.from_numpy(buf), non_blocking=True)
                     bs.host_copied = True
                 staged.append((dev[:nbytes], dt, item))
@@ -356,7 +322,8 @@ class Engine(GraphsAndSizes):
                         names=g.names)
 
     def start(self, launched: "Launched") -> "Launched":
-        """Second half of :meth:`launch`: enqueue the forward pass and the device->host copies."""
+        """Second half: enqueue the forward pass and the device->host copies (on the CPU: compute
+        the batch here)."""
         if not self.cuda:
             launched.result = self._run_cpu(launched.gather_in)
             launched.gather_in = None
@@ -391,10 +358,7 @@ class Engine(GraphsAndSizes):
                 for k, (dev, dtype, item) in enumerate(launched.staged):
                     if run != rows:
                         dev = bs.dev[k][:dev.numel() // rows * run]
-                    x = dev.view(_torch_dtype(dtype)).view((run, *item))
-                    if self.cast is not None and x.is_floating_point():
-                        x = x.to(self.cast)
-                    xs.append(x)
+                    xs.append(self._cast(dev.view(_torch_dtype(dtype)).view((run, *item))))
                 outs, structure = _as_list(self._forward(xs, launched.names))  # under inference_mode
                 if run != rows:
                     outs = [o[:rows] for o in outs]
@@ -408,7 +372,7 @@ class Engine(GraphsAndSizes):
                     o = o.to(self.device)
                 o = o.contiguous()
                 nbytes = o.numel() * o.element_size()
-                pinned = self._out_buf(bs, j, nbytes)[:nbytes]
+                pinned = _grown(bs.out, j, nbytes, _pinned)[:nbytes]
                 pinned.view(o.dtype).view(o.shape).copy_(o, non_blocking=True)
                 hosts.append((pinned, o.dtype, tuple(o.shape)))
             ev["done"].record()
@@ -427,7 +391,6 @@ class Engine(GraphsAndSizes):
                     raise RuntimeError(f"cudaMemcpyAsync failed with error {err}")
                 dst += n
             return
-        import ctypes
         pos = 0
         for _, offset, n, address in sources:
             host = np.ctypeslib.as_array((ctypes.c_uint8 * n).from_address(address + offset))
@@ -439,22 +402,15 @@ class Engine(GraphsAndSizes):
         """Run the model on zero batches so lazy initialisation (cuDNN plans, allocator pools,
         TorchScript profiling runs) is paid before the first request; returns the last result.
         With ``names``, the inputs are passed by those names."""
-        with torch.inference_mode():
-            return self._warm_up(shapes, dtypes, batch_sizes, names)
-
-    def _warm_up(self, shapes, dtypes, batch_sizes, names):
         result = None
-        sig = tuple((tuple(s), np.dtype(d), name)
-                    for s, d, name in zip(shapes, dtypes, names or (None,) * len(shapes)))
-        self._sizes_run.setdefault(sig, set()).update(batch_sizes)
-        for n in batch_sizes:
-            for _ in range(3 if self.cuda else 1):
-                xs = []
-                for s, d in zip(shapes, dtypes):
-                    x = torch.zeros((n, *s), dtype=_torch_dtype(d), device=self.device)
-                    xs.append(x.to(self.cast) if self.cast is not None and x.is_floating_point() else x)
-                outs, structure = _as_list(self._forward(xs, names))
-                result = BatchResult([_to_numpy(o) for o in outs], structure)
+        self._sizes_run.setdefault(signature(shapes, dtypes, names), set()).update(batch_sizes)
+        with torch.inference_mode():
+            for n in batch_sizes:
+                for _ in range(3 if self.cuda else 1):
+                    xs = [self._cast(torch.zeros((n, *s), dtype=_torch_dtype(d), device=self.device))
+                          for s, d in zip(shapes, dtypes)]
+                    outs, structure = _as_list(self._forward(xs, names))
+                    result = BatchResult([_to_numpy(o) for o in outs], structure)
         return result
 
 
@@ -492,10 +448,22 @@ class Launched:
         return self.result is not None or (self.started and self.events["done"].query())
 
 
+def _pinned(nbytes: int) -> torch.Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+
+def _grown(bufs: list, k: int, nbytes: int, make):
+    """``bufs[k]`` (a staging buffer), replaced by ``make(nbytes)`` when it is smaller."""
+    while len(bufs) <= k:
+        bufs.append(None)
+    if bufs[k] is None or bufs[k].nbytes < nbytes:
+        bufs[k] = make(nbytes)
+    return bufs[k]
+
+
 def _find_memcpy():
     """``cudaMemcpyAsync`` of the CUDA runtime torch loaded, through ctypes: a few microseconds a
     call instead of a tensor slice, a from_numpy and a dispatch per request. None if not found."""
-    import ctypes
     try:
         with open("/proc/self/maps") as f:
             paths = {line.split()[-1] for line in f if "libcudart.so" in line}
@@ -568,8 +536,7 @@ def _to_numpy(o: torch.Tensor) -> np.ndarray:
     if o.dtype == torch.bfloat16:
         o = o.float()
     if o.dtype not in _TORCH_TO_NP:
-        raise BadModelOutput(f"output dtype {o.dtype} is not supported; expected one of "
-                             f"{', '.join(str(d) for d in _TORCH_TO_NP)} (cast it in the model)")
+        raise _unsupported(o.dtype)
     return (o.contiguous() if o.device.type == "cpu" else o.cpu()).numpy()
 
 
@@ -591,5 +558,9 @@ def _numpy_dtype(dt: torch.dtype) -> np.dtype:
     try:
         return _TORCH_TO_NP[dt]
     except KeyError:
-        raise BadModelOutput(f"output dtype {dt} is not supported; expected one of "
-                             f"{', '.join(str(d) for d in _TORCH_TO_NP)} (cast it in the model)") from None
+        raise _unsupported(dt) from None
+
+
+def _unsupported(dt: torch.dtype) -> BadModelOutput:
+    return BadModelOutput(f"output dtype {dt} is not supported; expected one of "
+                          f"{', '.join(str(d) for d in _TORCH_TO_NP)} (cast it in the model)")

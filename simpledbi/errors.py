@@ -7,16 +7,8 @@ fresh exception object whose ``__cause__`` carries the remote traceback text, th
 """
 from __future__ import annotations
 
-__all__ = [
-    "SimpleDBIError",
-    "ModelError",
-    "ModelProcessDied",
-    "RuntimeStopped",
-    "WorkerError",
-    "SlotsExhausted",
-    "Overloaded",
-    "RemoteTraceback",
-]
+__all__ = ["SimpleDBIError", "ModelError", "ModelProcessDied", "RuntimeStopped", "WorkerError",
+           "SlotsExhausted", "Overloaded", "RemoteTraceback"]
 
 
 class SimpleDBIError(Exception):

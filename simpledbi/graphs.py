@@ -25,6 +25,12 @@ GRAPH_AFTER_BATCHES = 3
 PAD_BUDGET_BATCHES = 4
 
 
+def signature(shapes, dtypes, names=None) -> tuple:
+    """An item signature: (item shape, dtype, input name or None) per input."""
+    return tuple((tuple(s), np.dtype(d), name)
+                 for s, d, name in zip(shapes, dtypes, names or (None,) * len(shapes)))
+
+
 def _describe(sig) -> str:
     return ", ".join(f"{name + ' ' if name else ''}{tuple(item)} {np.dtype(d)}" for item, d, name in sig)
 
@@ -33,9 +39,8 @@ class GraphsAndSizes:
     """The Engine's CUDA graphs and the batch sizes it has run (a mixin: Engine's state)."""
 
     def _init_graphs(self, cfg) -> None:
-        # CUDA graphs, per item signature ((item shape, dtype) per input): {batch size: _Graph}.
-        # A bucket that batches keep using is captured on a thread of its own (NOTE [graphs
-        # captured off the serving thread]) and used from the first batch after it is ready.
+        # CUDA graphs, per item signature: {batch size: _Graph} (NOTE [graphs captured off the
+        # serving thread]).
         self._graphs: dict = {}
         self._graph_sizes = cfg.graph_batch_sizes() if self.cuda else ()
         self._graph_queued: set = set()              # (signature, batch size) being captured
@@ -82,10 +87,8 @@ class GraphsAndSizes:
 
     def take_graphs(self) -> None:
         """Put the graphs the capture thread finished to use (serving thread, between batches)."""
-        if self._capturer is not None and self._capturer.finished:
-            self._install_graphs()
-
-    def _install_graphs(self) -> None:
+        if self._capturer is None or not self._capturer.finished:
+            return
         for sig, n, graph, seconds in self._capturer.take():
             self._graph_queued.discard((sig, n))
             if sig in self._graph_failed:
@@ -108,9 +111,7 @@ class GraphsAndSizes:
     def _eager_rows(self, sig, rows: int, bs, staged) -> int:
         """How many rows to run an eager batch of ``rows`` with: itself if this process ran that
         size before (or no larger one), else the smallest larger size it ran, padded."""
-        done = self._sizes_run.get(sig)
-        if done is None:
-            done = self._sizes_run[sig] = set()
+        done = self._sizes_run.setdefault(sig, set())
         if rows in done:
             return rows
         if self.cfg.cuda_graphs is False:  # no padding: rows are not assumed independent
@@ -144,25 +145,24 @@ class GraphsAndSizes:
         if self._size_todo:
             sig, n = self._size_todo.pop(0)
             names = None if sig[0][2] is None else tuple(name for _, _, name in sig)
-            with torch.inference_mode(), torch.cuda.stream(self.stream):
-                self._warm_up([item for item, _, _ in sig], [d for _, d, _ in sig], [n], names)
+            with torch.cuda.stream(self.stream):
+                self.warm_up([item for item, _, _ in sig], [d for _, d, _ in sig], [n], names)
             self.stream.synchronize()
 
     def capture_graphs(self, shapes, dtypes, sizes, names=None) -> None:
         """Capture graphs for one item signature at once (at load time, from ``input_shapes``)."""
         if not self.cuda:
             return
-        sig = tuple((tuple(s), np.dtype(d), name)
-                    for s, d, name in zip(shapes, dtypes, names or (None,) * len(shapes)))
+        sig = signature(shapes, dtypes, names)
         try:
             for n in sorted(sizes, reverse=True):
                 self._graphs.setdefault(sig, {})[n] = self._capture(sig, n)
-                self.graph_total += 1
         except BaseException:
             self._graphs.pop(sig, None)
-            self.graph_total = sum(len(g) for g in self._graphs.values())
             torch.cuda.synchronize(self.device)
             raise
+        finally:
+            self.graph_total = sum(len(g) for g in self._graphs.values())
 
     def _capture(self, sig, n: int) -> "_Graph":
         """Capture the forward pass of ``n`` rows of ``sig`` (static zero inputs). Everything runs
@@ -178,9 +178,7 @@ class GraphsAndSizes:
             names = None if sig[0][2] is None else tuple(name for _, _, name in sig)
 
             def step():
-                xs = [x.to(self.cast) if self.cast is not None and x.is_floating_point() else x
-                      for x in inputs]
-                return self._forward(xs, names)
+                return self._forward([self._cast(x) for x in inputs], names)
 
             for _ in range(3):  # lazy initialisation (cuDNN plans, allocator) outside the capture
                 step()

@@ -15,15 +15,16 @@ from .layout import DATA_OFFSET, MAX_IO, MAX_NDIM, ControlBlock, code_dtype, dty
 
 
 def _normalize_shapes(max_shape) -> Tuple[Tuple[int, ...], ...]:
-    if isinstance(max_shape, (tuple, list)) and max_shape and all(
-            isinstance(d, (int, np.integer)) and not isinstance(d, bool) for d in max_shape):
-        shapes = (tuple(int(d) for d in max_shape),)
-    elif isinstance(max_shape, (tuple, list)) and max_shape and all(
-            isinstance(s, (tuple, list)) for s in max_shape):
-        shapes = tuple(tuple(int(d) if isinstance(d, (int, np.integer)) and not isinstance(d, bool)
-                             else _bad_shape(max_shape) for d in s) for s in max_shape)
-    else:
-        _bad_shape(max_shape)
+    def is_dim(d) -> bool:
+        return isinstance(d, (int, np.integer)) and not isinstance(d, bool)
+
+    if isinstance(max_shape, (tuple, list)) and max_shape and all(is_dim(d) for d in max_shape):
+        max_shape = [max_shape]
+    if not isinstance(max_shape, (tuple, list)) or not max_shape or not all(
+            isinstance(s, (tuple, list)) and all(is_dim(d) for d in s) for s in max_shape):
+        raise TypeError("max_shape: expected a shape tuple such as (1, 3, 224, 224), or a list of "
+                        f"them for several inputs, got {max_shape!r}")
+    shapes = tuple(tuple(int(d) for d in s) for s in max_shape)
     if len(shapes) > MAX_IO:
         raise ValueError(f"max_shape: expected at most {MAX_IO} inputs, got {len(shapes)}")
     for s in shapes:
@@ -31,11 +32,6 @@ def _normalize_shapes(max_shape) -> Tuple[Tuple[int, ...], ...]:
             raise ValueError(f"max_shape: expected (rows, *item_shape) with 1..{MAX_NDIM + 1} "
                              f"positive dims, got {s}")
     return shapes
-
-
-def _bad_shape(max_shape):
-    raise TypeError("max_shape: expected a shape tuple such as (1, 3, 224, 224), or a list of "
-                    f"them for several inputs, got {max_shape!r}")
 
 
 def _declared_inputs(ctl: ControlBlock):

@@ -11,13 +11,11 @@ scoped to one run.
 from __future__ import annotations
 
 import os
-import select
 import signal
-import time
 
 from .interrupts import ignore_ctrl_c
 from .layout import STOPPING, ControlBlock
-from .mps import PrivateDaemon
+from .mps import PrivateDaemon, wait_exit
 from .naming import unregister
 from .shm import sweep_namespace
 
@@ -76,23 +74,15 @@ def _signal(pid: int, sig: int) -> None:
 
 
 def _wait_all(pids, timeout: float) -> None:
-    """Wait until every pid has exited (pidfds become readable at exit), or the timeout."""
-    fds = []
+    """Wait until every pid has exited, or the timeout."""
+    fds = {}
     for pid in pids:
         try:
-            fds.append(os.pidfd_open(pid))
-        except (ProcessLookupError, OSError):
+            fds[pid] = os.pidfd_open(pid)
+        except OSError:
             continue
-    deadline = time.monotonic() + timeout
     try:
-        while fds:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break
-            ready, _, _ = select.select(fds, [], [], left)
-            for fd in ready:
-                fds.remove(fd)
-                os.close(fd)
+        wait_exit(fds, timeout)
     finally:
-        for fd in fds:
+        for fd in fds.values():
             os.close(fd)

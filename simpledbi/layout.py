@@ -178,9 +178,6 @@ class ControlBlock:
     Others reach it through ``<ns>/<m>.ctl``, a symlink to ``/proc/<main pid>/fd/<n>`` (see
     shm.Segment); clients map it read-only."""
 
-    PARTS = ("header", "all_instances", "held", "counters", "ring", "hist", "batch_hist", "msg",
-             "spec")
-
     def __init__(self, seg: Segment, held: int, model_num: int):
         self.seg = seg
         self._model_num = model_num
@@ -249,17 +246,15 @@ class ControlBlock:
 
     @property
     def held_cap(self) -> int:
-        """HELD rows per instance: the most requests one model process holds."""
         return self.held.shape[1]
 
     @property
     def model_num(self) -> int:
-        """Model processes configured (one bank of instance rows)."""
         return self._model_num
 
     @property
     def rows(self) -> int:
-        """Instance rows: two banks (see HEADER)."""
+        """Instance rows: two banks of ``model_num`` (see INSTANCE)."""
         return self.all_instances.shape[0]
 
     def active_rows(self) -> range:
@@ -333,7 +328,7 @@ class ControlBlock:
         for view in (self._hdr_words, self._inst_words, self._inst_floats):
             if view is not None:
                 view.release()
-        for k in self.PARTS + ("hdr", "_hdr_words", "_inst_words", "_inst_floats"):
+        for k in (*_parts(0, 0), "hdr", "_hdr_words", "_inst_words", "_inst_floats"):
             setattr(self, k, None)
         self.seg.close()
 

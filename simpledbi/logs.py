@@ -84,36 +84,33 @@ class LogRelay:
 
     def _run(self) -> None:
         try:
-            self._relay()
+            while True:
+                with self._lock:
+                    conns = list(self._conns)
+                if self._stop and not conns:
+                    break
+                for obj in wait(conns + [self._wake_r], timeout=None if not self._stop else 0.5):
+                    if obj == self._wake_r:
+                        os.read(self._wake_r, 64)
+                        continue
+                    try:
+                        record = pickle.loads(obj.recv_bytes())
+                    except (EOFError, OSError):  # the process exited: its pipe is drained
+                        self._drop(obj)
+                        continue
+                    except Exception:  # noqa: BLE001 - one bad record must not stop the relay
+                        logger.debug("dropped an unreadable log record", exc_info=True)
+                        continue
+                    if isinstance(record, logging.LogRecord):
+                        target = logging.getLogger(record.name)
+                        if target.isEnabledFor(record.levelno):
+                            target.handle(record)
+                if self._stop:
+                    with self._lock:  # at stop, drain what is buffered, then leave
+                        if not any(c.poll() for c in self._conns if not c.closed):
+                            break
         except (OSError, ValueError):  # closed under us at shutdown
             pass
-
-    def _relay(self) -> None:
-        while True:
-            with self._lock:
-                conns = list(self._conns)
-            if self._stop and not conns:
-                break
-            for obj in wait(conns + [self._wake_r], timeout=None if not self._stop else 0.5):
-                if obj == self._wake_r:
-                    os.read(self._wake_r, 64)
-                    continue
-                try:
-                    record = pickle.loads(obj.recv_bytes())
-                except (EOFError, OSError):  # the process exited: its pipe is drained
-                    self._drop(obj)
-                    continue
-                except Exception:  # noqa: BLE001 - one bad record must not stop the relay
-                    logger.debug("dropped an unreadable log record", exc_info=True)
-                    continue
-                if isinstance(record, logging.LogRecord):
-                    target = logging.getLogger(record.name)
-                    if target.isEnabledFor(record.levelno):
-                        target.handle(record)
-            if self._stop:
-                with self._lock:  # at stop, drain what is buffered, then leave
-                    if not any(c.poll() for c in self._conns if not c.closed):
-                        break
 
     def _drop(self, conn: Connection) -> None:
         with self._lock:

@@ -3,20 +3,8 @@
 A ``prometheus_client`` *custom collector*: each scrape reads the shared-memory counters and
 histograms that the model processes keep anyway (status.py), so there is no per-request cost,
 no multiprocess-mode directory and nothing to clean up. Names follow Triton's metrics (a
-dashboard built for one reads the other with a rename)::
-
-    simpledbi_request_success_total{model}            requests answered with a result
-    simpledbi_request_failure_total{model,reason}     model_error | bad_request
-    simpledbi_inference_count_total{model}            rows computed
-    simpledbi_batch_total{model}                      forward passes (batches)
-    simpledbi_batch_size{model}                       histogram of rows per batch
-    simpledbi_request_duration_seconds{model}         histogram, publish -> answer, per request
-    simpledbi_queue_duration_seconds{model}           histogram, publish -> batch start
-    simpledbi_compute_duration_seconds{model}         histogram, batch start -> answered
-    simpledbi_over_target_total{model}                answers later than latency_target
-    simpledbi_rejected_total{model,reason}            refused with Overloaded: deadline | queue
-    simpledbi_queued_requests{model}, simpledbi_attached_clients{model}, simpledbi_model_ready{model}
-    simpledbi_instance_up{model,instance,device}, simpledbi_instance_restarts_total{model,instance}
+dashboard built for one reads the other with a rename); ``_FAMILIES`` below lists them, with their
+labels: ``reason`` is model_error | bad_request for failures, deadline | queue for refusals.
 """
 from __future__ import annotations
 
@@ -52,58 +40,51 @@ class RuntimeCollector:
             info = inspect(self.runtime, namespace=self.namespace)
         except LookupError:
             return
-        m_ok = CounterMetricFamily("simpledbi_request_success", "Requests answered with a result",
-                                   labels=["model"])
-        m_fail = CounterMetricFamily("simpledbi_request_failure", "Requests that failed",
-                                     labels=["model", "reason"])
-        m_rows = CounterMetricFamily("simpledbi_inference_count", "Rows computed", labels=["model"])
-        m_batches = CounterMetricFamily("simpledbi_batch", "Forward passes (batches)",
-                                        labels=["model"])
-        m_over = CounterMetricFamily("simpledbi_over_target",
-                                     "Answers later than the model's latency_target", labels=["model"])
-        m_size = HistogramMetricFamily("simpledbi_batch_size", "Rows per batch", labels=["model"])
-        m_lat = HistogramMetricFamily("simpledbi_request_duration_seconds",
-                                      "Per request: publish to answer", labels=["model"])
-        m_queue = HistogramMetricFamily("simpledbi_queue_duration_seconds",
-                                        "Per request: publish to the start of its batch",
-                                        labels=["model"])
-        m_compute = HistogramMetricFamily("simpledbi_compute_duration_seconds",
-                                          "Per batch: start to answered", labels=["model"])
-        m_rejected = CounterMetricFamily("simpledbi_rejected",
-                                         "Requests refused with Overloaded (never run), by reason",
-                                         labels=["model", "reason"])
-        g_queued = GaugeMetricFamily("simpledbi_queued_requests", "Requests waiting for an answer",
-                                     labels=["model"])
-        g_clients = GaugeMetricFamily("simpledbi_attached_clients", "Client slots attached",
-                                      labels=["model"])
-        g_ready = GaugeMetricFamily("simpledbi_model_ready", "1 while the model serves",
-                                    labels=["model"])
-        g_up = GaugeMetricFamily("simpledbi_instance_up", "1 while a model process is ready",
-                                 labels=["model", "instance", "device"])
-        m_restarts = CounterMetricFamily("simpledbi_instance_restarts",
-                                         "Restarts of a model process", labels=["model", "instance"])
+        fam = {key: kind(name, text, labels=["model", *labels])
+               for key, kind, name, text, labels in _FAMILIES}
         for m in info.models:
             n = [m.name]
-            m_ok.add_metric(n, m.requests - m.errors)
-            m_fail.add_metric(n + ["model_error"], m.errors)
-            m_fail.add_metric(n + ["bad_request"], m.bad_requests)
-            m_rows.add_metric(n, m.rows)
-            m_batches.add_metric(n, m.batches)
-            m_over.add_metric(n, m.over_target)
+            fam["ok"].add_metric(n, m.requests - m.errors)
+            fam["fail"].add_metric(n + ["model_error"], m.errors)
+            fam["fail"].add_metric(n + ["bad_request"], m.bad_requests)
+            fam["rows"].add_metric(n, m.rows)
+            fam["batches"].add_metric(n, m.batches)
+            fam["over"].add_metric(n, m.over_target)
             for reason, count in m.rejected.items():
-                m_rejected.add_metric(n + [reason], count)
-            m_size.add_metric(n, *_batch_buckets(m.batch_sizes, m.rows))
-            for fam, h in ((m_lat, m.latency), (m_queue, m.queue), (m_compute, m.compute)):
-                fam.add_metric(n, *_latency_buckets(h))
-            g_queued.add_metric(n, m.queued)
-            g_clients.add_metric(n, m.attached_clients)
-            g_ready.add_metric(n, 1 if m.ready else 0)
+                fam["rejected"].add_metric(n + [reason], count)
+            fam["size"].add_metric(n, *_batch_buckets(m.batch_sizes, m.rows))
+            for key, h in (("latency", m.latency), ("queue", m.queue), ("compute", m.compute)):
+                fam[key].add_metric(n, *_latency_buckets(h))
+            fam["queued"].add_metric(n, m.queued)
+            fam["clients"].add_metric(n, m.attached_clients)
+            fam["ready"].add_metric(n, 1 if m.ready else 0)
             for i in m.instances:
                 up = i.alive and i.state == "ready"
-                g_up.add_metric(n + [str(i.index), i.device], 1 if up else 0)
-                m_restarts.add_metric(n + [str(i.index)], i.restarts)
-        yield from (m_ok, m_fail, m_rows, m_batches, m_over, m_rejected, m_size, m_lat, m_queue, m_compute,
-                    g_queued, g_clients, g_ready, g_up, m_restarts)
+                fam["up"].add_metric(n + [str(i.index), i.device], 1 if up else 0)
+                fam["restarts"].add_metric(n + [str(i.index)], i.restarts)
+        yield from fam.values()
+
+
+_C, _G, _H = CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+_FAMILIES = (   # key, kind, name, help, labels after "model" -- exported in this order
+    ("ok", _C, "simpledbi_request_success", "Requests answered with a result", ()),
+    ("fail", _C, "simpledbi_request_failure", "Requests that failed", ("reason",)),
+    ("rows", _C, "simpledbi_inference_count", "Rows computed", ()),
+    ("batches", _C, "simpledbi_batch", "Forward passes (batches)", ()),
+    ("over", _C, "simpledbi_over_target", "Answers later than the model's latency_target", ()),
+    ("rejected", _C, "simpledbi_rejected", "Requests refused with Overloaded (never run), by reason",
+     ("reason",)),
+    ("size", _H, "simpledbi_batch_size", "Rows per batch", ()),
+    ("latency", _H, "simpledbi_request_duration_seconds", "Per request: publish to answer", ()),
+    ("queue", _H, "simpledbi_queue_duration_seconds", "Per request: publish to the start of its batch",
+     ()),
+    ("compute", _H, "simpledbi_compute_duration_seconds", "Per batch: start to answered", ()),
+    ("queued", _G, "simpledbi_queued_requests", "Requests waiting for an answer", ()),
+    ("clients", _G, "simpledbi_attached_clients", "Client slots attached", ()),
+    ("ready", _G, "simpledbi_model_ready", "1 while the model serves", ()),
+    ("up", _G, "simpledbi_instance_up", "1 while a model process is ready", ("instance", "device")),
+    ("restarts", _C, "simpledbi_instance_restarts", "Restarts of a model process", ("instance",)),
+)
 
 
 def _latency_buckets(h: Histogram):

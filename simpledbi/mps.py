@@ -38,7 +38,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence
 
-from .shm import remove_tree
+from .shm import pid_alive, remove_tree
 
 logger = logging.getLogger(__name__)
 
@@ -129,12 +129,9 @@ def _stale(pipe_dir: str) -> bool:
     process (one of another user counts: kill() answers EPERM)."""
     try:
         with open(os.path.join(pipe_dir, "nvidia-cuda-mps-control.pid")) as f:
-            os.kill(int(f.read().strip()), 0)
-    except PermissionError:
-        return False
+            return not pid_alive(int(f.read().strip()))
     except (OSError, ValueError):
         return True
-    return False
 
 
 class PrivateDaemon:
@@ -198,7 +195,7 @@ class PrivateDaemon:
             pinned = _pin(_our_pids(self.env[PIPE_VAR]), self.env[PIPE_VAR])
             deadline = time.monotonic() + timeout
             self.command("quit", timeout)
-            left = _wait_exit(pinned, deadline - time.monotonic())
+            left = wait_exit(pinned, deadline - time.monotonic())
             if left:
                 logger.warning("CUDA MPS daemon in %s did not quit within %g s; killing pids %s",
                                self.directory, timeout, sorted(left))
@@ -207,7 +204,7 @@ class PrivateDaemon:
                         signal.pidfd_send_signal(fd, signal.SIGKILL)
                     except ProcessLookupError:
                         pass
-                _wait_exit(left, _KILL_WAIT)
+                wait_exit(left, _KILL_WAIT)
         except Exception:  # noqa: BLE001 - cleanup goes on; say what failed
             logger.exception("stopping the CUDA MPS daemon in %s failed", self.directory)
         finally:
@@ -224,7 +221,7 @@ def sweep_dead_daemons(timeout: float = 5.0) -> int:
     for path in glob.glob(os.path.join(tempfile.gettempdir(), "sdbi_mps_*_*")):
         m = re.match(r"sdbi_mps_(\d+)_", os.path.basename(path))
         try:
-            if not m or os.stat(path).st_uid != os.getuid() or _alive(int(m.group(1))):
+            if not m or os.stat(path).st_uid != os.getuid() or pid_alive(int(m.group(1))):
                 continue
         except OSError:
             continue
@@ -232,16 +229,6 @@ def sweep_dead_daemons(timeout: float = 5.0) -> int:
         PrivateDaemon(shutil.which(CONTROL) or CONTROL, path).stop(timeout)
         swept += 1
     return swept
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    return True
 
 
 def _is_ours(pid: int, pipe_dir: str) -> bool:
@@ -277,7 +264,7 @@ def _pin(pids: List[int], pipe_dir: str) -> Dict[int, int]:
     return pinned
 
 
-def _wait_exit(pinned: Dict[int, int], timeout: float) -> Dict[int, int]:
+def wait_exit(pinned: Dict[int, int], timeout: float) -> Dict[int, int]:
     """Wait until every pinned process exited (its pidfd turns readable); those still alive."""
     left = dict(pinned)
     deadline = time.monotonic() + timeout

@@ -209,24 +209,26 @@ def _claim(path: str) -> Optional[str]:
     why = _why_not_private(path)
     if why != _MISSING:
         return why
-    try:
-        os.mkdir(path, 0o700)
-    except FileExistsError:
-        pass   # someone was quicker: judged below like anything else that is there
-    except OSError as e:
-        return f"could not be created ({e.strerror})"
-    else:
-        _make_private(path)
+    why = _mkdir_private(path)   # someone quicker is judged below like anything else there
+    if why is not None:
+        return f"could not be created ({why})"
     why = _why_not_private(path)
     return "was removed while being created" if why == _MISSING else why
 
 
-def _make_private(path: str) -> None:
-    """chmod 700 a directory we just made (umask, default ACL), through a descriptor of it."""
+def _mkdir_private(path: str) -> Optional[str]:
+    """mkdir ``path`` and chmod it 700 (umask, default ACL); None if made or already there, else
+    why not."""
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        return None
+    except OSError as e:
+        return e.strerror
     try:
         fd = os.open(path, _OPEN_DIR)
     except OSError:
-        return   # not a directory (any more): _why_not_private says so
+        return None   # not a directory (any more): _why_not_private says so
     try:
         if os.fstat(fd).st_uid == os.getuid():   # root may chmod anyone's: only ours
             os.fchmod(fd, 0o700)
@@ -240,14 +242,9 @@ def _claim_home(path: str) -> Optional[str]:
     """``_claim`` for ``~/.cache/simpledbi/run-<host>`` and the levels above it, up to the home."""
     top = os.path.dirname(path)
     cache = os.path.dirname(top)
-    try:
-        os.mkdir(cache, 0o700)
-    except FileExistsError:
-        pass
-    except OSError as e:
-        return f"could not be created ({cache}: {e.strerror})"
-    else:
-        _make_private(cache)   # a umask of 077x would leave it unusable
+    why = _mkdir_private(cache)   # chmod: a umask of 077x would leave it unusable
+    if why is not None:
+        return f"could not be created ({cache}: {why})"
     why = _claim(top)
     if why is not None:
         return f"is in {top}, which {why}"
@@ -256,22 +253,26 @@ def _claim_home(path: str) -> Optional[str]:
 
 # ------------------------------------------------------------ registrations
 
-def registration_path(name: str, directory: Optional[str] = None) -> str:
-    """Where this process would register ``name``: in ``directory``, else in ``registry_dir()``
-    (made if missing)."""
+def registration_path(name: str) -> str:
+    """Where this process would register ``name``: in ``registry_dir()`` (made if missing)."""
     check_name(name)
-    return os.path.join(directory or registry_dir(), REG_PREFIX + name)
+    return os.path.join(registry_dir(), REG_PREFIX + name)
 
 
-def read(name: str, directory: Optional[str] = None) -> Optional[Registration]:
-    """The registration of ``name`` (in ``directory``, else the first in ``lookup_dirs()``) if it
-    is ours and complete, else None (live or not)."""
+def read(name: str, live: bool = False) -> Optional[Registration]:
+    """The first registration of ``name`` in ``lookup_dirs()`` that is ours and complete (and,
+    with ``live``, of a runtime that is running), else None."""
     check_name(name)
-    for d in [directory] if directory else lookup_dirs():
+    for d in lookup_dirs():
         reg = _read(name, d)
-        if reg is not None:
+        if reg is not None and (not live or _live(reg)):
             return reg
     return None
+
+
+def resolve(name: str) -> Optional[Registration]:
+    """The live runtime called ``name`` (in any of ``lookup_dirs()``), or None."""
+    return read(name, live=True)
 
 
 def _read(name: str, directory: str) -> Optional[Registration]:
@@ -298,35 +299,20 @@ def _read(name: str, directory: str) -> Optional[Registration]:
     return reg
 
 
-def resolve(name: str, directory: Optional[str] = None) -> Optional[Registration]:
-    """The live runtime called ``name`` (in ``directory``, else in any of ``lookup_dirs()``),
-    or None."""
-    check_name(name)
-    for d in [directory] if directory else lookup_dirs():
-        reg = _read(name, d)
-        if reg is not None and _live(reg):
-            return reg
-    return None
-
-
 def _live(reg: Registration) -> bool:
     """A registration of a runtime that is running: its process is alive and its namespace
     directory exists (a rewritten file naming any live pid does not hold the name)."""
     return pid_alive(reg.pid) and os.path.isdir(os.path.join(SHM_DIR, reg.namespace))
 
 
-def register(name: str, namespace: str, models: Sequence[str],
-             directory: Optional[str] = None) -> str:
-    """Claim ``name`` for this process's runtime (in ``directory``, else in ``registry_dir()``);
-    raises if a live runtime already holds it. Returns the registration's path."""
-    path = registration_path(name, directory)
+def register(name: str, namespace: str, models: Sequence[str]) -> str:
+    """Claim ``name`` for this process's runtime (in ``registry_dir()``); raises if a live
+    runtime already holds it. Returns the registration's path."""
+    path = registration_path(name)
     here = os.path.dirname(path)
-    for other in lookup_dirs() if directory is None else []:
-        old = _read(name, other) if other != here else None   # here: the loop below
-        if old is not None and _live(old):
-            raise RuntimeError(f"a simpledbi runtime named {name!r} is already running "
-                               f"(pid {old.pid}); stop it or choose another name")
-    directory = here
+    for other in lookup_dirs():
+        if other != here:   # here: the loop below
+            _refuse_if_live(_read(name, other), name)
     body = json.dumps({"namespace": namespace, "pid": os.getpid(), "models": list(models),
                        "started": time.time()}).encode()
     for _ in range(8):
@@ -341,10 +327,8 @@ def register(name: str, namespace: str, models: Sequence[str],
             if owner != os.getuid():
                 raise PermissionError(errno.EACCES, f"the runtime name {name!r} is taken by "
                                       f"another user (uid {owner}, {path})")
-            old = _read(name, directory)
-            if old is not None and _live(old):
-                raise RuntimeError(f"a simpledbi runtime named {name!r} is already running "
-                                   f"(pid {old.pid}); stop it or choose another name")
+            old = _read(name, here)
+            _refuse_if_live(old, name)
             if old is None and _young(path):
                 time.sleep(0.05)  # another runtime is writing it right now
                 continue
@@ -359,6 +343,12 @@ def register(name: str, namespace: str, models: Sequence[str],
     raise RuntimeError(f"could not register the runtime name {name!r} ({path})")
 
 
+def _refuse_if_live(reg: Optional[Registration], name: str) -> None:
+    if reg is not None and _live(reg):
+        raise RuntimeError(f"a simpledbi runtime named {name!r} is already running "
+                           f"(pid {reg.pid}); stop it or choose another name")
+
+
 def unregister(path: str, namespace: str) -> None:
     """Remove a registration -- only if it still names ``namespace`` (never a successor's)."""
     name = os.path.basename(path)[len(REG_PREFIX):]
@@ -367,20 +357,20 @@ def unregister(path: str, namespace: str) -> None:
         _unlink(path)
 
 
-def list_registrations(directory: Optional[str] = None) -> List[Registration]:
-    """Every complete registration of ours (in ``directory``, else in ``lookup_dirs()``), one per
-    name -- a live one where a name is in two directories -- in name order."""
+def list_registrations() -> List[Registration]:
+    """Every complete registration of ours in ``lookup_dirs()``, one per name -- a live one where
+    a name is in two directories -- in name order."""
     by_name = {}
-    for _, reg in _all(directory):
+    for _, reg in _all():
         if reg.name not in by_name or (not pid_alive(by_name[reg.name].pid) and pid_alive(reg.pid)):
             by_name[reg.name] = reg
     return [by_name[n] for n in sorted(by_name)]
 
 
-def sweep_dead_registrations(directory: Optional[str] = None) -> int:
+def sweep_dead_registrations() -> int:
     """Remove the registrations whose runtime process is gone; returns how many went."""
     try:
-        found = _all(directory)
+        found = _all()
     except ValueError:   # a bad $SIMPLEDBI_DIR: raised where a name is registered or looked up
         logger.warning("not sweeping runtime names", exc_info=True)
         return 0
@@ -392,9 +382,9 @@ def sweep_dead_registrations(directory: Optional[str] = None) -> int:
     return removed
 
 
-def _all(directory: Optional[str]) -> List[tuple]:
+def _all() -> List[tuple]:
     out = []
-    for d in [directory] if directory else lookup_dirs():
+    for d in lookup_dirs():
         try:
             entries = sorted(os.listdir(d))
         except OSError:

@@ -9,17 +9,12 @@ Process tree of one run::
      +-- model "b" instance 0..m-1
      +-- worker 0..worker_num-1          worker.py -> your target(rank, *args, **kwargs)
 
-The supervisor thread blocks in ``multiprocessing.connection.wait`` on every model process's
-sentinel, so a death is seen within milliseconds without polling. A dead model process is
-restarted with bounded exponential back-off while the other instances keep serving; the callers
-whose requests it held get ``ModelProcessDied`` at once (the supervisor answers them, from the
-process's HELD rows in the control block); after ``ModelConfig.max_restarts`` failures within
-``restart_window`` seconds the model is marked broken and every caller gets
-``ModelProcessDied`` with the reason. ``Run`` and ``Runtime`` behave the same; ``Run`` raises
-only once a model is broken. Clients need no reaping: a client's slot is a memfd of its own,
-gone with it. Shutdown is ordered and idempotent: refuse new requests -> stop workers -> wake and
-stop model processes -> join with timeout -> terminate -> kill -> answer what is left queued ->
-close views -> remove the namespace.
+The supervisor thread (supervisor.py) sees a model process die within milliseconds, answers the
+requests it held with ``ModelProcessDied`` and restarts it with back-off while the other
+instances keep serving; after ``ModelConfig.max_restarts`` failures within ``restart_window``
+seconds the model is marked broken, and only then does ``Run`` raise. Shutdown is ordered and
+idempotent: refuse new requests -> stop workers -> wake and stop model processes -> join with
+timeout -> terminate -> kill -> answer what is left queued -> close views -> remove the namespace.
 """
 from __future__ import annotations
 
@@ -243,19 +238,17 @@ class Runtime(Supervision, Reloads, Workers):
                 if obj in waiting:
                     m = waiting.pop(obj)
                     msg = self._loaded(m)
-                    if msg is None:
-                        m.proc.join(5)
-                        raise ModelProcessDied(m.describe() + " while loading" + _guard_hint(m),
-                                               m.proc.exitcode)
-                    if msg[0] != "ready":
+                    if msg is not None and msg[0] != "ready":
                         raise ModelError(f"model {m.cfg.name!r} process {m.instance} failed to load: "
                                          f"{msg[1]}", msg[1].split(":")[0], msg[2])
-                elif obj in sentinels:
+                    died = msg is None
+                else:
                     m = sentinels.pop(obj)
-                    if m.conn in waiting and not m.conn.poll():
-                        m.proc.join(5)
-                        raise ModelProcessDied(m.describe() + " while loading" + _guard_hint(m),
-                                               m.proc.exitcode)
+                    died = m.conn in waiting and not m.conn.poll()
+                if died:
+                    m.proc.join(5)
+                    raise ModelProcessDied(m.describe() + " while loading" + _guard_hint(m),
+                                           m.proc.exitcode)
 
     def _loaded(self, m: _ModelProc):
         """Read a model process's load report; None if it died first."""
@@ -313,7 +306,7 @@ class Runtime(Supervision, Reloads, Workers):
             self._registration = None
 
     def shutdown(self) -> None:
-        """Stop everything and remove every segment and semaphore of this run. Idempotent."""
+        """Stop everything and remove what this run created. Idempotent."""
         if self._closed:
             return
         self._closed = True
@@ -354,10 +347,7 @@ class Runtime(Supervision, Reloads, Workers):
                     if self._janitor_conn is not None:
                         self._janitor_conn.close()
                         self._janitor_conn = None
-                self._janitor.join(self.options.join_timeout)
-                if self._janitor.is_alive():
-                    self._janitor.kill()
-                    self._janitor.join()
+                _join_or_kill(self._janitor, self.options.join_timeout)
             if restore is not None:
                 signal.signal(signal.SIGINT, restore)
 
@@ -370,10 +360,7 @@ class Runtime(Supervision, Reloads, Workers):
             if proc.is_alive():
                 proc.terminate()
         for proc in self.worker_procs.values():
-            proc.join(self.options.join_timeout)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
+            _join_or_kill(proc, self.options.join_timeout)
         with self._lifecycle_lock:  # a reload thread adds or drops processes only under it
             procs = self.model_procs
         deadline = time.monotonic() + self.options.join_timeout
@@ -384,10 +371,7 @@ class Runtime(Supervision, Reloads, Workers):
                 logger.warning("model %r process %d did not stop in time; terminating",
                                m.cfg.name, m.instance)
                 m.proc.terminate()
-                m.proc.join(2)
-            if m.proc.is_alive():
-                m.proc.kill()
-                m.proc.join()
+                _join_or_kill(m.proc, 2)
         for m in procs:
             if not m.conn.closed:
                 m.conn.close()
@@ -395,12 +379,18 @@ class Runtime(Supervision, Reloads, Workers):
         for proc in self.worker_procs.values():
             proc.close()
 
-
     def __enter__(self) -> "Runtime":
         return self.start()
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+
+def _join_or_kill(proc, timeout: float) -> None:
+    proc.join(timeout)
+    if proc.is_alive():
+        proc.kill()
+        proc.join()
 
 
 def _raise_exit(signum, frame):

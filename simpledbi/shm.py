@@ -4,7 +4,7 @@ Every run owns a *namespace* ``sdbi_<owner pid>_<128 random bits>``: a directory
 ``/dev/shm/<namespace>/`` created with ``mkdir(0o700)``, so other users can neither list, open,
 create nor squat anything inside. It holds only names: each model's request socket
 (``<m>.sock``) and a link to its control block (``<m>.ctl``); ``simpledbi serve`` adds its
-command socket. There are no named semaphores and no named segments.
+command socket.
 
 Shared memory is a *memfd* sealed against shrinking (``F_SEAL_SHRINK``): the kernel refuses to
 truncate it, to anyone, so a mapping of it can never SIGBUS -- the reason no process of a
@@ -17,9 +17,6 @@ a memfd goes when its last descriptor and mapping do.
 Why not ``multiprocessing.shared_memory``: before Python 3.13 it registers every *attach* with
 ``resource_tracker``, which unlinks the segment and warns "leaked shared_memory" when the
 attaching process exits (CPython #82300/#104291); and it cannot be sealed.
-
-:func:`sweep_namespace` removes a run's directory; :func:`sweep_dead_namespaces` finds
-namespaces whose owner process is gone.
 """
 from __future__ import annotations
 
@@ -42,33 +39,30 @@ PREFIX = "sdbi_"
 _NS_RE = re.compile(r"^sdbi_(\d+)_[0-9a-f]+$")
 
 
-def new_namespace(shm_dir: str = SHM_DIR) -> str:
+def new_namespace() -> str:
     """Create a fresh namespace owned by this process (its private directory, mode 0700)."""
     for _ in range(8):
         ns = f"{PREFIX}{os.getpid()}_{secrets.token_hex(16)}"
         try:
-            os.mkdir(os.path.join(shm_dir, ns), 0o700)
+            os.mkdir(os.path.join(SHM_DIR, ns), 0o700)
         except FileExistsError:
             continue
         return ns
-    raise OSError(errno.EEXIST, "could not create a fresh namespace directory in " + shm_dir)
+    raise OSError(errno.EEXIST, "could not create a fresh namespace directory in " + SHM_DIR)
 
 
-def ns_path(namespace: str, name: str, shm_dir: str = SHM_DIR) -> str:
-    return os.path.join(shm_dir, namespace, name)
+def ns_path(namespace: str, name: str) -> str:
+    return os.path.join(SHM_DIR, namespace, name)
 
 
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL
 
 
 class Segment:
-    """One mapped, sealed memfd. :meth:`create_memfd` makes one (and optionally a symlink to it
-    at ``link``, for other processes to open); :meth:`attach` opens one by such a path (or a
-    ``/proc/<pid>/fd/<n>`` path), refusing anything that is not a memfd sealed against
-    shrinking; ``readonly`` maps it without write access (what clients do with control blocks).
-
-    Views made with :meth:`ndarray` keep the mapping exported; drop them before :meth:`close`.
-    """
+    """One mapped, sealed memfd: made (:meth:`create_memfd`) or opened (:meth:`attach`,
+    :meth:`from_fd`: only a memfd sealed against shrinking), ``readonly`` for clients' control
+    blocks. Views made with :meth:`ndarray` keep the mapping exported; drop them before
+    :meth:`close`."""
 
     def __init__(self, fd: int, size: int, path: str = "", readonly: bool = False):
         self.fd: Optional[int] = fd
@@ -96,15 +90,10 @@ class Segment:
         return seg
 
     @classmethod
-    def attach(cls, path: str, readonly: bool = True, size: int = 0) -> "Segment":
-        """Map the memfd at ``path`` (a symlink to a /proc fd path); ``size`` 0: all of it."""
+    def attach(cls, path: str, readonly: bool = True) -> "Segment":
+        """Map all of the memfd at ``path`` (a symlink to a /proc fd path)."""
         fd = os.open(path, (os.O_RDONLY if readonly else os.O_RDWR) | os.O_CLOEXEC | os.O_NONBLOCK)
-        try:
-            size = size or check_sealed(fd, path)
-            return cls(fd, size, path, readonly)
-        except BaseException:
-            os.close(fd)
-            raise
+        return cls.from_fd(fd, path, readonly)
 
     @classmethod
     def from_fd(cls, fd: int, path: str, readonly: bool = True) -> "Segment":
@@ -262,13 +251,7 @@ def _empty(top: int, path: str, deadline: float) -> None:
             logger.warning("gave up removing %s: entries keep appearing", path)
             return
         progress = False
-        with os.scandir(top) as entries:
-            names = []
-            for e in entries:   # a directory that keeps growing: list no more than the budget
-                names.append((e.name, e.is_dir(follow_symlinks=False)))
-                if len(names) % 4096 == 0 and time.monotonic() > deadline:
-                    break
-        for name, is_dir in names:
+        for name, is_dir in _entries(top, deadline):
             try:
                 if not is_dir:
                     os.unlink(name, dir_fd=top)
@@ -284,13 +267,7 @@ def _empty(top: int, path: str, deadline: float) -> None:
                 sub = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
                               dir_fd=top)
                 try:
-                    with os.scandir(sub) as inner:
-                        below = []
-                        for e in inner:
-                            below.append((e.name, e.is_dir(follow_symlinks=False)))
-                            if len(below) % 4096 == 0 and time.monotonic() > deadline:
-                                break
-                    for n2, d2 in below:
+                    for n2, d2 in _entries(sub, deadline):
                         if time.monotonic() > deadline:
                             break
                         if d2:
@@ -312,9 +289,21 @@ def _empty(top: int, path: str, deadline: float) -> None:
                 break
 
 
-def sweep_namespace(namespace: str, shm_dir: str = SHM_DIR) -> int:
+def _entries(fd: int, deadline: float) -> list:
+    """(name, is a directory) of what is in the directory open at ``fd``; of one that keeps
+    growing, no more than the time budget lists."""
+    out = []
+    with os.scandir(fd) as entries:
+        for e in entries:
+            out.append((e.name, e.is_dir(follow_symlinks=False)))
+            if len(out) % 4096 == 0 and time.monotonic() > deadline:
+                break
+    return out
+
+
+def sweep_namespace(namespace: str) -> int:
     """Remove the namespace's directory; returns 1 if there was one, else 0."""
-    path = os.path.join(shm_dir, namespace)
+    path = os.path.join(SHM_DIR, namespace)
     if not os.path.lexists(path):
         return 0
     remove_tree(path)
@@ -338,10 +327,10 @@ def pid_alive(pid: int) -> bool:
         return True
 
 
-def sweep_dead_namespaces(shm_dir: str = SHM_DIR) -> int:
+def sweep_dead_namespaces() -> int:
     """Remove what runs whose owner process no longer exists left in /dev/shm."""
     try:
-        entries = os.listdir(shm_dir)
+        entries = os.listdir(SHM_DIR)
     except OSError:
         return 0
     spaces = set()
@@ -352,7 +341,7 @@ def sweep_dead_namespaces(shm_dir: str = SHM_DIR) -> int:
     removed = 0
     for ns in spaces:
         try:   # what a dead run's clients left there must not stop a new run from starting
-            removed += sweep_namespace(ns, shm_dir)
+            removed += sweep_namespace(ns)
         except Exception:  # noqa: BLE001
             logger.warning("could not remove the leftovers of %s", ns, exc_info=True)
     return removed

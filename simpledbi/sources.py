@@ -12,9 +12,6 @@ Model processes are spawned: a factory travels to them pickled *by name* (the ch
 calls ``pickle.loads(payload)()``. cloudpickle is the optional ``simpledbi[notebook]`` extra
 (what Ray, Dask and joblib ship functions with); without it such a factory is refused before
 anything starts, with what to do.
-
-The command line names a model by a file or by a factory's import path, ``module:function``:
-``resolve`` reads such a value and, when it is neither (or could be both), says what it tried.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Reading the runtime's own counters out of a model's control block.
 
-Model processes write per-instance counters and a ring of per-batch records (slots.B_FIELDS);
+Model processes write per-instance counters and a ring of per-batch records (layout.B_FIELDS);
 this module turns them into the figures ``SharedModel.stats()`` and ``benchmark.py`` report.
 """
 from __future__ import annotations
@@ -14,11 +14,9 @@ from .layout import B_FIELDS, RING
 STAGES = ("queue_wait", "gather", "h2d", "forward", "d2h", "scatter", "runtime")
 
 
-def batch_records(ctl, since: Optional[float] = None, until: Optional[float] = None) -> np.ndarray:
-    """Per-batch records of all instances (the last ``RING`` of each), as a (n, len(B_FIELDS)) array.
-
-    ``since``/``until`` keep batches that closed in that ``time.monotonic()`` window.
-    """
+def batch_records(ctl, since: Optional[float] = None) -> np.ndarray:
+    """Per-batch records of all instances (the last ``RING`` of each), as a (n, len(B_FIELDS))
+    array; with ``since``, of the batches that closed since then (``time.monotonic()``)."""
     out = []
     for inst in range(ctl.rows):
         head = int(ctl.counters["ring_head"][inst])
@@ -30,13 +28,7 @@ def batch_records(ctl, since: Optional[float] = None, until: Optional[float] = N
     if not out:
         return np.zeros((0, len(B_FIELDS)))
     recs = np.concatenate(out)
-    t = recs[:, B_FIELDS.index("t_close")]
-    keep = np.ones(len(recs), bool)
-    if since is not None:
-        keep &= t >= since
-    if until is not None:
-        keep &= t <= until
-    return recs[keep]
+    return recs if since is None else recs[recs[:, B_FIELDS.index("t_close")] >= since]
 
 
 def summarize(ctl) -> dict:

@@ -28,17 +28,21 @@ class _ModelProc:
         self.retiring = False    # replaced by a rolling reload: its exit is expected
 
     def how(self) -> str:
-        code = self.proc.exitcode
-        how = f"exit code {code}"
-        if code is not None and code < 0:
-            try:
-                how += f" ({signal.Signals(-code).name})"
-            except ValueError:
-                pass
-        return how
+        return exit_how(self.proc.exitcode)
 
     def describe(self) -> str:
         return f"model {self.cfg.name!r} process {self.instance} (pid {self.proc.pid}) died with {self.how()}"
+
+
+def exit_how(code) -> str:
+    """``exit code N``, and the signal's name when a signal ended the process."""
+    how = f"exit code {code}"
+    if code is not None and code < 0:
+        try:
+            how += f" ({signal.Signals(-code).name})"
+        except ValueError:
+            pass
+    return how
 
 
 def _exited(m: _ModelProc) -> bool:

@@ -4,16 +4,13 @@ worker.py.
 """
 from __future__ import annotations
 
-import logging
-import signal
 from multiprocessing.connection import wait
 from typing import Any, Callable, Dict, List
 
 from .errors import ModelProcessDied, WorkerError
 from .interrupts import children_deaf_to_ctrl_c
+from .supervisor import exit_how
 from .worker import worker_main
-
-logger = logging.getLogger("simpledbi.runtime")
 
 
 class Workers:
@@ -72,11 +69,8 @@ class Workers:
                             conns.pop(conn, None)
                             conn.close()
                     if proc.exitcode != 0 and rank not in reported:
-                        code = proc.exitcode
-                        how = f"exit code {code}"
-                        if code is not None and code < 0:
-                            how += f" ({signal.Signals(-code).name})"
-                        raise WorkerError(f"worker {rank} (pid {proc.pid}) died with {how}", rank, code)
+                        raise WorkerError(f"worker {rank} (pid {proc.pid}) died with "
+                                          f"{exit_how(proc.exitcode)}", rank, proc.exitcode)
                     pending.discard(rank)
         for conn in conns:
             conn.close()
