@@ -20,10 +20,9 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from .layout import (CLAIM_OFF, TICKET_OFF, FWD_MAGIC, FWD_PREFIX, HELD, INST_READY, INST_RETIRING,
+from .layout import (CLAIM_OFF, FWD_MAGIC, FWD_PREFIX, HELD, INST_READY, INST_RETIRING,
                      INSTANCE, MAX_DATAGRAM, REQ_MAGIC,
                      REQ_PREFIX, ST_BAD_REQUEST, ST_FULL, WAKE_MAGIC, ControlBlock, words)
-from . import futex
 from .shm import pid_alive
 from .slots import BadRequest, Layout, Limits, Peer, Request, check_size, parse_layout
 
@@ -245,7 +244,7 @@ class Intake:
             REQ_MAGIC, peer.fd_no, peer.token, req.seq, req.rows, req.t_publish, req.deadline,
             req.priority, 0) + req.layout_raw
         anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("i", peer.seg.fd))] if peer.passed else []
-        peer.unclaim()
+        peer.unclaim(req.seq)
         try:
             self.sock.sendmsg([msg], anc, socket.MSG_DONTWAIT, self.address)
         except OSError:
@@ -367,7 +366,7 @@ def answer_held(ctl: ControlBlock, row: int, pid: int, status: int, text: str) -
         try:
             claim = struct.unpack_from("<qqq", peer.seg.buf, CLAIM_OFF)
             if claim[1] == pid and claim[2] == seq and not peer.answered(seq):
-                futex.take(peer.base + TICKET_OFF)   # offered again if it died handing it back
+                peer.take_ticket(seq)   # offered again if it died handing it back
                 peer.respond(seq, status, text, claimer=row)
                 n += 1
         finally:

@@ -337,7 +337,12 @@ class ControlBlock:
 # Byte offsets in a client's slot. The client writes SEG_MAGIC and its token once, inputs and
 # PUB_SEQ per request; model processes write the claim words, the response and RESP_SEQ (last).
 SEG_MAGIC_OFF = 0                  # MAGIC, then the slot's token (8 bytes each)
-TICKET_OFF, DONE_OFF = 64, 128     # 4-byte words (futex.py): the request's claim ticket, "answered"
+DONE_OFF = 128                     # a 4-byte word (futex.py): the seq answered last
+# The claim tickets (4-byte words, futex.py), one per seq modulo TICKETS: a model process that
+# reads the datagram of a request its client withdrew looks only at that request's own ticket,
+# so it never holds, even for an instant, the ticket of the request published after it (a peer
+# reading that one's datagram meanwhile would have found it taken, and dropped it: a lost call).
+TICKETS_OFF, TICKETS = 512, 64
 PUB_SEQ_OFF = 192                  # the seq of the request the client published last
 CLOSED_OFF = 200                   # 1 once the client detached (model processes drop the slot)
 CLAIM_OFF = 256                    # (instance, pid, seq) of the model process that took a request

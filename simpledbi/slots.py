@@ -63,7 +63,7 @@ from .layout import (
     CLAIM_OFF, CLOSED_OFF, DATA_OFFSET, DONE_OFF, DTYPES, ERR_BYTES, ERR_OFF, INPUT_HEAD,
     LAYOUT_HEAD, MAX_DIM, MAX_IO, MAX_NDIM, NAMES_BYTES, NAMES_OFF, PUB_SEQ_OFF, REQ_MAGIC,
     REQ_PREFIX, RESP_OFF, RESP_SEQ_OFF, RESP_WORD, RESPONSE, SEG_MAGIC_OFF,
-    ST_BAD_REQUEST, ST_OK, TICKET_OFF, MAGIC, align, code_dtype, dtype_code, shape_key,
+    ST_BAD_REQUEST, ST_OK, TICKETS, TICKETS_OFF, MAGIC, align, code_dtype, dtype_code, shape_key,
 )
 from .shm import Segment, check_sealed
 
@@ -118,8 +118,9 @@ class ClientSlot:
         self.seg = Segment.create_memfd("sdbi-slot", size + 4096, grow=True)
         self._map_views()
         _Q2.pack_into(self.seg.buf, SEG_MAGIC_OFF, MAGIC, self.token)
-        self._ticket, self._done = self._base + TICKET_OFF, self._base + DONE_OFF
-        futex.ticket_init(self._ticket)
+        self._done = self._base + DONE_OFF
+        for k in range(TICKETS):
+            futex.ticket_init(self._base + TICKETS_OFF + 4 * k)
         self._waiter = futex.Waiter()
         self._inputs = [(dt, off) for off, dt in zip(offsets, dtypes)]
         self._codes = [dtype_code(dt) for dt in dtypes]
@@ -137,8 +138,8 @@ class ClientSlot:
         self._resp_seq = seg.ndarray(RESP_SEQ_OFF, np.int64, (1,))
         self._in_views: dict = {}
         self._out_views: dict = {}
-        if hasattr(self, "_ticket"):
-            self._ticket, self._done = self._base + TICKET_OFF, self._base + DONE_OFF
+        if hasattr(self, "_done"):
+            self._done = self._base + DONE_OFF
 
     def _drop_views(self) -> None:
         self._u8 = self._resp_seq = None
@@ -217,6 +218,11 @@ class ClientSlot:
         """(instance, pid) of the model process that took request ``seq``, if it says so."""
         instance, pid, claimed = _CLAIM.unpack_from(self.seg.buf, CLAIM_OFF)
         return (instance, pid) if claimed == seq else None
+
+    @property
+    def _ticket(self) -> int:
+        """The address of the current request's claim ticket."""
+        return self._base + TICKETS_OFF + 4 * (self.seq % TICKETS)
 
     def queued(self) -> bool:
         """Is the request's ticket still offered (published, taken by nobody)?"""
@@ -454,20 +460,28 @@ class Peer:
         return _I64.unpack_from(self.seg.buf, PUB_SEQ_OFF)[0] == _I64.unpack_from(self.seg.buf, RESP_SEQ_OFF)[0]
 
     def claim(self, seq: int, instance: int, pid: int) -> bool:
-        """Take the request's ticket. A datagram of an older request (withdrawn; its client has
-        published a newer one since, whose datagram is still queued) puts it back."""
-        if not futex.take(self.base + TICKET_OFF):
+        """Take request ``seq``'s ticket (its own: layout.TICKETS). A datagram of an older
+        request (withdrawn; its client has published a newer one since) takes nothing."""
+        buf = self.seg.buf
+        if _I64.unpack_from(buf, PUB_SEQ_OFF)[0] != seq:
             return False
-        if _I64.unpack_from(self.seg.buf, PUB_SEQ_OFF)[0] != seq:
-            futex.offer(self.base + TICKET_OFF)
+        ticket = self.base + TICKETS_OFF + 4 * (seq % TICKETS)
+        if not futex.take(ticket):
+            return False
+        if _I64.unpack_from(buf, PUB_SEQ_OFF)[0] != seq:   # republished 64 times meanwhile
+            futex.offer(ticket)
             return False
         _CLAIM.pack_into(self.seg.buf, CLAIM_OFF, instance, pid, seq)
         return True
 
-    def unclaim(self) -> None:
-        """Offer the request again (a hand-back: another model process will take it, or its
+    def unclaim(self, seq: int) -> None:
+        """Offer request ``seq`` again (a hand-back: another model process will take it, or its
         client take it back). The claim record stays until someone else writes theirs."""
-        futex.offer(self.base + TICKET_OFF)
+        futex.offer(self.base + TICKETS_OFF + 4 * (seq % TICKETS))
+
+    def take_ticket(self, seq: int) -> None:
+        """Take request ``seq``'s ticket if it is offered (answering it for a dead claimer)."""
+        futex.take(self.base + TICKETS_OFF + 4 * (seq % TICKETS))
 
     def grow(self, size: int) -> None:
         """Extend the client's slot for outputs larger than it (growing only: it is sealed

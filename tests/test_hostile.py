@@ -24,7 +24,7 @@ import pytest
 from simpledbi import ModelError, ModelProcessDied, RuntimeStopped, SharedModel
 from simpledbi import futex, shm
 from simpledbi.layout import (BROKEN, CLOSED_OFF, PUB_SEQ_OFF, REQ_MAGIC, REQ_PREFIX, STOPPING,
-                              TICKET_OFF, socket_path)
+                              socket_path)
 
 from . import models
 from .conftest import cpu_model, wait_queued
@@ -946,3 +946,36 @@ def test_a_client_cannot_pass_for_a_model_process_handing_a_request_back(start_r
     assert _pids(rt, "affine") == pids
     forger.close()
     honest.close()
+
+
+@pytest.mark.timeout(180)
+def test_a_withdrawn_request_datagram_cannot_lose_the_next_request(start_runtime):
+    """Calls that time out at once (withdrawn: their datagrams stay queued) alternate with calls
+    that must be answered, from four threads, to two model processes: one reading a withdrawn
+    request's datagram must never make the other drop the slot's next request (slots.py: each
+    request's own ticket)."""
+    rt = start_runtime(cpu_model("m", models.affine, max_batch_size=4, model_num=2))
+    m = SharedModel("m", max_shape=(1, 4), namespace=rt.namespace)
+    x = np.ones((1, 4), np.float32)
+    want = m.forward(x)
+    lost = []
+
+    def loop():
+        for _ in range(1500):
+            try:
+                m.forward(x, timeout=0)
+            except TimeoutError:
+                pass
+            try:
+                np.testing.assert_array_equal(m.forward(x, timeout=5), want)
+            except TimeoutError as e:
+                lost.append(e)
+                return
+
+    threads = [threading.Thread(target=loop) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(150)
+    assert not lost, f"{len(lost)} calls were never answered: {lost[0]}"
+    assert m.stats()["withdrawn"] > 0   # the race was there to lose
