@@ -112,7 +112,7 @@ class Admission:
         batch being collected has room for: mine exactly, the others' as they last published."""
         w, n = self._all, max(len(self.backlog) - self.room, 0)
         for r in self.ctl.active_rows():
-            if r != self.row:
+            if r != self.row and w[r * _ROW_WORDS + _STATE] == INST_READY:
                 n += w[r * _ROW_WORDS + _QUEUED]
         return n
 

@@ -483,12 +483,20 @@ class SharedModel(Inputs):
     def _check_alive(self, h: "_Handles", slot: ClientSlot, seq: int) -> None:
         """After a poll interval without an answer: is anyone still going to answer?"""
         claim = slot.claimed_by(seq)
-        if claim is not None and not slot.queued():
+        if claim is not None:
             instance, pid = claim
+            queued = slot.queued()
             if not pid_alive(pid):
-                raise ModelProcessDied(f"model {self.name!r}: model process {instance} (pid {pid}) "
-                                       f"died while computing this request")
-            return
+                if queued:   # handed back (Intake.hand_back) by a process that died since: its
+                    try:     # datagram may be gone with it -- offered again, to the live ones
+                        slot.send(slot._msg)
+                    except OSError:
+                        pass   # full queue: the next look sends it; the runtime gone: below
+                else:
+                    raise ModelProcessDied(f"model {self.name!r}: model process {instance} (pid "
+                                           f"{pid}) died while computing this request")
+            elif not queued:
+                return
         self._check_runtime(h, slot)
 
     def _raise_runtime_state(self, h: "_Handles", slot: Optional[ClientSlot] = None):

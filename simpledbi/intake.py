@@ -20,7 +20,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from .layout import (CLAIM_OFF, FWD_MAGIC, FWD_PREFIX, HELD, INST_READY, INST_RETIRING,
+from .layout import (CLAIM_OFF, FWD_MAGIC, FWD_PREFIX, HELD,
                      INSTANCE, MAX_DATAGRAM, REQ_MAGIC,
                      REQ_PREFIX, ST_BAD_REQUEST, ST_FULL, WAKE_MAGIC, ControlBlock, words)
 from .shm import pid_alive
@@ -227,11 +227,11 @@ class Intake:
         self._inst[self._held_word] = self.held
 
     def _sibling(self, pid: int) -> bool:
-        """Is ``pid`` a model process of this model (either bank; me too: my own hand-back can
-        come back to me)?"""
+        """Is ``pid`` a model process of this model (either bank, in any state: one that died
+        after handing a request back was one when it sent it; me too: my own hand-back can come
+        back to me)?"""
         w = self._all_inst
-        return pid == self.pid or any(w[r * _INST_WORDS + _INST_PID] == pid and
-                                       w[r * _INST_WORDS + _INST_STATE] in (INST_READY, INST_RETIRING)
+        return pid == self.pid or any(w[r * _INST_WORDS + _INST_PID] == pid
                                        for r in range(len(w) // _INST_WORDS))
 
     def hand_back(self, req: Request) -> bool:

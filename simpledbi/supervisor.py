@@ -119,7 +119,10 @@ class Supervision:
                 m.conn.close()
             except OSError:
                 pass
-        ctl.all_instances[m.row]["free"] = 0  # a dead process is not an idle peer
+        row = ctl.all_instances[m.row]
+        row["free"] = 0        # a dead process is not an idle peer,
+        row["queued"] = 0      # and what it held is answered below: nothing waits there
+        row["newcomer_wait"] = 0.0
         self._answer_held(name, m)
         self._tell_janitor("gone", m.proc.pid)  # never signal a pid the system may reuse
         if m.retiring:

@@ -224,3 +224,46 @@ def test_a_client_with_many_threads_does_not_crowd_out_the_others(start_runtime)
     # 40 calls each: arrival order would let the flood finish ~16 x 40 = 640 meanwhile
     assert during < 4 * 40, f"the 16-thread client got {during} answers while each other got 40"
 
+
+
+@pytest.mark.timeout(120)
+def test_a_request_handed_back_by_a_process_that_died_is_still_answered(start_runtime):
+    """A process holding more than its next batch while a peer is idle hands the rest back
+    through the socket (Intake.hand_back). If it dies before the peer reads them, they must
+    still be answered -- the peer honours a hand-back of a process that was a sibling, and the
+    caller offers a request again whose claimer died with it still offered."""
+    import os
+    import signal
+    from simpledbi.shm import pid_alive
+    rt = start_runtime(cpu_model("m", functools.partial(models.sleepy, 0.5), max_batch_size=1,
+                                 model_num=2, max_queue=100))
+    m = SharedModel("m", max_shape=(1, 4), namespace=rt.namespace)
+    inst = lambda field: [int(v) for v in m.ctl.all_instances[field][:2]]  # noqa: E731
+    _wait_for(lambda: inst("free") == [1, 1])
+    pids = inst("pid")
+    calls = {}
+    calls[1] = _call_in_thread(m, X * 1)
+    _wait_for(lambda: sum(inst("held")) == 1)
+    calls[2] = _call_in_thread(m, X * 2)
+    _wait_for(lambda: inst("held") == [1, 1])
+    for k in range(3, 7):
+        calls[k] = _call_in_thread(m, X * k)
+    _wait_for(lambda: max(inst("held")) == 4)   # one took r3..r6 while the other was busy
+    a = inst("held").index(4)
+    b = 1 - a
+    _wait_for(lambda: inst("free")[b] == 1)
+    os.kill(pids[b], signal.SIGSTOP)            # the idle peer, slow to read what comes back
+    try:
+        _wait_for(lambda: inst("held")[a] == 1)  # a handed two back and computes one
+        os.kill(pids[a], signal.SIGKILL)
+        _wait_for(lambda: not pid_alive(pids[a]))
+    finally:
+        os.kill(pids[b], signal.SIGCONT)
+    for k, (t, out) in calls.items():
+        t.join(60)
+        assert not t.is_alive(), f"call {k} never ended"
+        if "error" in out:   # only what the dead process was computing may fail
+            assert type(out["error"]).__name__ == "ModelProcessDied", out["error"]
+        else:
+            np.testing.assert_array_equal(out["y"], X * k * 2 + 1)
+    assert sum("error" in out for _, out in calls.values()) <= 1
