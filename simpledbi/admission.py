@@ -83,20 +83,23 @@ class Admission:
                 return False
         if req.priority:
             self.priorities_seen = True
-        if self.limits.max_queue is not None and queue_full(self.limits, self.waiting()):
+        if req.deadline > 0.0 and self.backlog:   # (nothing waits: it goes in the next batch)
+            why = admit(req.t_seen, req.deadline, self.in_progress
+                        + self.backlog.rows_ahead(req.pid, req.priority, req.rows), self.rate,
+                        self.arrivals.above(req.priority, req.t_seen) if self.priorities_seen else 0.0)
+            if why is not None:   # (first: a request that cannot make it displaces no one)
+                self.refuse([req], why)
+                return False
+        # max_queue: only a request that would wait here counts -- one the batch being
+        # collected has room for goes at once, whatever waits at the other processes
+        if self.limits.max_queue is not None and len(self.backlog) >= self.room and \
+                queue_full(self.limits, self.waiting()):
             victim = self._outranked_by(req)
             if victim is None:
                 self.refuse([req], Refusal("queue"))
                 return False
             self.backlog.remove(victim)
             self.refuse([victim], Refusal("queue"))
-        if req.deadline > 0.0 and self.backlog:   # (nothing waits: it goes in the next batch)
-            why = admit(req.t_seen, req.deadline, self.in_progress
-                        + self.backlog.rows_ahead(req.pid, req.priority, req.rows), self.rate,
-                        self.arrivals.above(req.priority, req.t_seen) if self.priorities_seen else 0.0)
-            if why is not None:
-                self.refuse([req], why)
-                return False
         if self.priorities_seen:
             self.arrivals.add(req.priority, req.rows, req.t_seen)
         return True

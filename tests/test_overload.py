@@ -267,3 +267,52 @@ def test_a_request_handed_back_by_a_process_that_died_is_still_answered(start_ru
         else:
             np.testing.assert_array_equal(out["y"], X * k * 2 + 1)
     assert sum("error" in out for _, out in calls.values()) <= 1
+
+
+@pytest.mark.timeout(120)
+def test_max_queue_refuses_only_what_would_wait(start_runtime):
+    """max_queue counts the requests waiting at every process, but a newcomer taken by an idle
+    one goes straight into its next batch: it waits for nothing, so it is not refused."""
+    rt = start_runtime(cpu_model("m", functools.partial(models.sleepy, 0.5), max_batch_size=1,
+                                 model_num=2, max_queue=2))
+    m = SharedModel("m", max_shape=(1, 4), namespace=rt.namespace)
+    inst = lambda field: [int(v) for v in m.ctl.all_instances[field][:2]]  # noqa: E731
+    _wait_for(lambda: inst("free") == [1, 1])
+    calls = [_call_in_thread(m, X * 1)]
+    _wait_for(lambda: sum(inst("held")) == 1)
+    calls.append(_call_in_thread(m, X * 2))
+    _wait_for(lambda: inst("held") == [1, 1])
+    calls += [_call_in_thread(m, X * k) for k in (3, 4, 5)]
+    # the first to finish runs one and holds two waiting (max_queue); the other goes idle
+    _wait_for(lambda: sorted(inst("queued")) == [0, 2] and inst("free")[inst("queued").index(0)] == 1)
+    np.testing.assert_array_equal(m.forward(X * 6), X * 6 * 2 + 1)
+    for k, (t, out) in enumerate(calls, start=1):
+        t.join(60)
+        np.testing.assert_array_equal(out["y"], X * k * 2 + 1)
+    assert m.stats()["rejected"]["queue"] == 0
+
+
+@pytest.mark.timeout(120)
+def test_a_newcomer_that_cannot_make_its_deadline_displaces_no_one(start_runtime, gate):
+    """With max_queue reached, a higher-priority newcomer whose timeout is shorter than a batch
+    is refused for its deadline, and the request it outranks keeps its place."""
+    rt = start_runtime(cpu_model("m", functools.partial(models.sleepy, 0.3, gate.name), max_batch_size=1,
+                                 max_queue=2))
+    m = SharedModel("m", max_shape=(1, 4), namespace=rt.namespace)
+    for _ in range(2):
+        m.forward(X, timeout=10)   # it learns a batch takes 0.3 s
+    first = _call_in_thread(m, np.full((1, 4), models.GATE, np.float32))
+    gate.wait_entered()
+    calls = {}
+    for n, name in enumerate("BCD", start=1):
+        calls[name] = _call_in_thread(m, X * n)
+        wait_queued(m, n=n)
+    newcomer = _call_in_thread(m, X * 9, priority=5, timeout=0.5)   # taken after ~0.3 s
+    wait_queued(m, n=4)
+    gate.open()
+    for t, _ in [first, newcomer, *calls.values()]:
+        t.join(60)
+    assert isinstance(newcomer[1].get("error"), Overloaded) and newcomer[1]["error"].reason == "deadline"
+    for n, name in enumerate("BCD", start=1):
+        np.testing.assert_array_equal(calls[name][1]["y"], X * n * 2 + 1)
+    assert m.stats()["rejected"] == {"deadline": 1, "queue": 0}
