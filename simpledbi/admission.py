@@ -120,9 +120,16 @@ class Admission:
         return n
 
     def at_close(self, batch: List[Request]) -> List[Request]:
-        """The batch about to run, less what would be answered after its caller's deadline:
-        past already (the call raised TimeoutError: answered so, counted ``expired``) or by the
-        time this batch is answered (refused ``Overloaded``)."""
+        """The batch about to run, less what its callers will not read: requests whose caller
+        stopped waiting (cancelled, closed, timed out: counted ``withdrawn``), and those answered
+        after their caller's deadline -- past already (the call raised TimeoutError: counted
+        ``expired``) or by the time this batch is answered (refused ``Overloaded``)."""
+        gone = [r for r in batch if r.peer.abandoned(r.seq)]
+        if gone:
+            self._fail(gone, ST_EXPIRED, "its caller stopped waiting before its batch ran")
+            self._count("withdrawn", len(gone))
+            self.in_progress -= sum(r.rows for r in gone)
+            batch = [r for r in batch if not r.peer.abandoned(r.seq)]
         if not self.deadlines_seen:
             return batch
         expired, doomed = refused_at_close(time.monotonic(), batch, self.rate)

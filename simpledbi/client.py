@@ -387,7 +387,7 @@ class SharedModel(Inputs):
             # Whatever ended the wait (a typed error, KeyboardInterrupt, ...): a request still
             # owed an answer keeps its slot stale, so the late answer can never reach a later call.
             if not slot.stale_seq and not slot.answered(seq) and not slot.withdraw():
-                slot.stale_seq = seq
+                slot.abandon(seq)
             raise
 
     def _send_when_room(self, h: "_Handles", slot: ClientSlot, deadline: Optional[float]) -> None:
@@ -428,7 +428,7 @@ class SharedModel(Inputs):
                 break
             if slot.interrupted:
                 if not slot.withdraw():
-                    slot.stale_seq = seq
+                    slot.abandon(seq)
                 if slot.cancelled:
                     slot.interrupted = slot.cancelled = False   # the slot serves the next call
                     raise RuntimeStopped(f"model {self.name!r}: the awaiting task was cancelled")
@@ -452,7 +452,7 @@ class SharedModel(Inputs):
         if slot.withdraw():
             raise TimeoutError(f"model {self.name!r}: no result within the timeout (the request "
                                f"was withdrawn before any model process took it)")
-        slot.stale_seq = seq
+        slot.abandon(seq)
         raise TimeoutError(f"model {self.name!r}: no result within the timeout; the request is "
                            f"being computed and its late result will be discarded")
 

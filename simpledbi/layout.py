@@ -345,6 +345,8 @@ DONE_OFF = 128                     # a 4-byte word (futex.py): the seq answered 
 TICKETS_OFF, TICKETS = 512, 64
 PUB_SEQ_OFF = 192                  # the seq of the request the client published last
 CLOSED_OFF = 200                   # 1 once the client detached (model processes drop the slot)
+ABANDON_OFF = 208                  # the seq of a request taken whose caller stopped waiting (timed
+#                                    out, cancelled, closed): it is dropped at its batch's close
 CLAIM_OFF = 256                    # (instance, pid, seq) of the model process that took a request
 # Written by the model process; RESP_SEQ is written after it, last of all. A dict or namedtuple
 # answer's keys follow the header, at NAMES_OFF (``names_len`` bytes, encode_names).

@@ -63,7 +63,7 @@ from .layout import (
     CLAIM_OFF, CLOSED_OFF, DATA_OFFSET, DONE_OFF, DTYPES, ERR_BYTES, ERR_OFF, INPUT_HEAD,
     LAYOUT_HEAD, MAX_DIM, MAX_IO, MAX_NDIM, NAMES_BYTES, NAMES_OFF, PUB_SEQ_OFF, REQ_MAGIC,
     REQ_PREFIX, RESP_OFF, RESP_SEQ_OFF, RESP_WORD, RESPONSE, SEG_MAGIC_OFF,
-    ST_BAD_REQUEST, ST_OK, TICKETS, TICKETS_OFF, MAGIC, align, code_dtype, dtype_code, shape_key,
+    ST_BAD_REQUEST, ST_OK, TICKETS, TICKETS_OFF, MAGIC, ABANDON_OFF, align, code_dtype, dtype_code, shape_key,
 )
 from .shm import Segment, check_sealed
 
@@ -242,6 +242,15 @@ class ClientSlot:
         with self._lock:
             if self.seg is not None:
                 futex.store_and_wake(self._done, futex.load(self._done) + 1)
+
+    def abandon(self, seq: int) -> None:
+        """The call of request ``seq`` stopped waiting after a model process took it: the slot
+        stays stale until its late answer arrives, and the model process, told in the slot,
+        drops the request at its batch's close if it has not run yet."""
+        self.stale_seq = seq
+        with self._lock:
+            if self.seg is not None:
+                _I64.pack_into(self.seg.buf, ABANDON_OFF, seq)
 
     def withdraw(self) -> bool:
         """Take back a request no model process has taken; False if one owns it."""
@@ -454,6 +463,10 @@ class Peer:
     def closed(self) -> bool:
         """Has the client detached (or scribbled that it did)?"""
         return _I64.unpack_from(self.seg.buf, CLOSED_OFF)[0] != 0
+
+    def abandoned(self, seq: int) -> bool:
+        """Did the caller of request ``seq`` stop waiting for it (ClientSlot.abandon)?"""
+        return _I64.unpack_from(self.seg.buf, ABANDON_OFF)[0] == seq
 
     def idle(self) -> bool:
         """Is no request of this slot waiting or being computed (its client may send one)?"""
