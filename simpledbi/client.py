@@ -17,6 +17,8 @@ import functools
 import collections
 import errno
 import logging
+import math
+import numbers
 import os
 import socket
 import struct
@@ -258,10 +260,7 @@ class SharedModel(Inputs):
         if self._closed:
             raise RuntimeStopped(f"SharedModel({self.name!r}) is closed")
         arrays, as_torch, names, positions = self._validate(inputs, named)
-        if timeout is None:
-            timeout = self._h.default_timeout
-        elif not (isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout >= 0):
-            raise ValueError(f"timeout: expected None or seconds >= 0, got {timeout!r}")
+        timeout = self._h.default_timeout if timeout is None else _check_timeout(timeout)
         priority = self.priority if priority is None else _check_priority(priority)
         t_call = time.monotonic()
         deadline = None if timeout is None else t_call + timeout
@@ -294,7 +293,11 @@ class SharedModel(Inputs):
         answer has arrived)."""
         loop = asyncio.get_running_loop()
         cancel = _Cancel()
-        call = functools.partial(self._forward_keeping_last, inputs, timeout, priority, kw_inputs, cancel)
+        if timeout is None and not self._closed:
+            timeout = self._h.default_timeout
+        # the timeout counts from this call, not from when a thread of the pool picks it up
+        deadline = None if timeout is None else time.monotonic() + _check_timeout(timeout)
+        call = functools.partial(self._forward_keeping_last, inputs, deadline, priority, kw_inputs, cancel)
         try:
             out, timing = await loop.run_in_executor(_async_executor(), call)
         except asyncio.CancelledError:
@@ -303,8 +306,9 @@ class SharedModel(Inputs):
         self._last.set(timing)  # in this task's context: last_timing() in the task sees its own
         return out
 
-    def _forward_keeping_last(self, inputs, timeout, priority, kw_inputs, cancel: "_Cancel"):
+    def _forward_keeping_last(self, inputs, deadline, priority, kw_inputs, cancel: "_Cancel"):
         _CANCEL.set(cancel)   # this executor thread's own context: _call finds it
+        timeout = None if deadline is None else max(deadline - time.monotonic(), 0.0)
         try:
             out = self.forward(*inputs, timeout=timeout, priority=priority, **kw_inputs)
         finally:
@@ -552,11 +556,23 @@ def _status_error(name: str, status: int, text: str, timeout: Optional[float] = 
 
 
 def _check_priority(priority) -> int:
-    if not isinstance(priority, int) or isinstance(priority, bool):
+    if not isinstance(priority, numbers.Integral) or isinstance(priority, (bool, np.bool_)):
         raise TypeError(f"priority: expected an int, got {type(priority).__name__} {priority!r}")
     if not -_MAX_PRIORITY <= priority <= _MAX_PRIORITY:
         raise ValueError(f"priority: expected -{_MAX_PRIORITY}..{_MAX_PRIORITY}, got {priority}")
-    return priority
+    return int(priority)
+
+
+def _check_timeout(timeout) -> float:
+    """Seconds >= 0 (any real number: a numpy scalar too), as a float."""
+    if isinstance(timeout, numbers.Real) and not isinstance(timeout, (bool, np.bool_)):
+        try:
+            seconds = float(timeout)
+        except OverflowError:
+            seconds = math.inf
+        if seconds >= 0:   # (NaN fails this)
+            return seconds
+    raise ValueError(f"timeout: expected None or seconds >= 0, got {timeout!r}")
 
 
 _MAX_PRIORITY = 1000

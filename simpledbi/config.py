@@ -106,8 +106,9 @@ class ModelConfig:
     restart_window: float = 60.0
     restart_backoff: float = 0.1
     #: Past capacity (NOTE [overload] in overload.py): at most this many requests wait across the
-    #: model's processes; a newcomer beyond it gets ``Overloaded`` at once (unless it outranks a
-    #: waiting one). None: no bound but the deadlines.
+    #: model's processes; a newcomer that would wait beyond it gets ``Overloaded`` at once (unless
+    #: it outranks a waiting one). 0: nothing waits (a request goes in a batch or is refused).
+    #: None: no bound but the deadlines.
     max_queue: Optional[int] = None
     #: Seconds: the timeout of a call that gives none. A request that cannot be answered within
     #: its timeout, given the queue ahead and the learned cost, is refused at once (Overloaded).

@@ -174,6 +174,11 @@ def test_priority_and_timeouts_are_checked_in_the_caller(start_runtime):
         SharedModel("m", max_shape=(1, 6, 5), namespace=rt.namespace, priority=1.5)
     assert m._h.default_timeout == 5.0   # what a call without a timeout gets
     np.testing.assert_array_equal(m.forward(x, priority=7), x * 2 + 1)
+    for timeout in (np.float32(5), np.int64(5), 10 ** 400, float("inf")):   # any real seconds
+        np.testing.assert_array_equal(m.forward(x, timeout=timeout, priority=np.int32(1)), x * 2 + 1)
+    for timeout in (-1, float("nan"), "5", True):
+        with pytest.raises(ValueError, match="timeout: expected None or seconds >= 0"):
+            m.forward(x, timeout=timeout)
 
 
 @pytest.mark.timeout(180)
