@@ -61,15 +61,25 @@ def test_higher_priority_goes_first_whatever_its_age():
 def test_service_rate_learns_only_from_backlogged_batches():
     rate = ServiceRate(memory=1.0)   # no averaging: the last sample
     assert rate.wait(100) == 0.0     # nothing learned: no refusals
-    rate.batch_done(8, t_close=1.00, t_end=1.01, backlogged=True)   # first: latency only
-    assert rate.rows_per_s == 0.0 and rate.latency == pytest.approx(0.01)
+    rate.batch_done(8, t_close=1.00, t_end=3.00, backlogged=True)   # the first: cold, not learned
+    assert rate.rows_per_s == 0.0 and rate.latency == 0.0
     rate.batch_done(8, t_close=1.01, t_end=1.02, backlogged=True)
-    assert rate.rows_per_s == pytest.approx(800.0)
+    assert rate.rows_per_s == pytest.approx(800.0) and rate.latency == pytest.approx(0.01)
     rate.batch_done(8, t_close=1.40, t_end=1.41, backlogged=False)  # idle before it: no sample
     assert rate.rows_per_s == pytest.approx(800.0)
     rate.batch_done(8, t_close=3.00, t_end=3.01, backlogged=True)   # a gap longer than _IDLE_GAP
     assert rate.rows_per_s == pytest.approx(800.0)
     assert rate.wait(80) == pytest.approx(0.1 + 0.01)
+
+
+def test_one_stalled_batch_moves_the_latency_a_bounded_step():
+    rate = ServiceRate(memory=20.0)
+    for k in range(3):
+        rate.batch_done(8, t_close=k * 0.01, t_end=k * 0.01 + 0.01, backlogged=False)
+    assert rate.latency == pytest.approx(0.01)
+    rate.batch_done(8, t_close=1.0, t_end=3.0, backlogged=False)    # a 2 s stall
+    assert rate.latency == pytest.approx(0.01 + (0.04 - 0.01) / 20)   # counted as 4 x 10 ms
+    assert rate.latency_bound < 0.02
 
 
 def test_admit_refuses_what_cannot_make_its_deadline():
