@@ -125,9 +125,13 @@ class Admission:
         after their caller's deadline -- past already (the call raised TimeoutError: counted
         ``expired``) or by the time this batch is answered (refused ``Overloaded``)."""
         gone = [r for r in batch if r.peer.abandoned(r.seq)]
-        if gone:
+        if gone:   # (one whose caller timed out counts as expired, as it would have below)
             self._fail(gone, ST_EXPIRED, "its caller stopped waiting before its batch ran")
-            self._count("withdrawn", len(gone))
+            timed_out = sum(0.0 < r.deadline <= time.monotonic() for r in gone)
+            if timed_out:
+                self._count("expired", timed_out)
+            if len(gone) > timed_out:
+                self._count("withdrawn", len(gone) - timed_out)
             self.in_progress -= sum(r.rows for r in gone)
             batch = [r for r in batch if not r.peer.abandoned(r.seq)]
         if not self.deadlines_seen:
