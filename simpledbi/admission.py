@@ -124,8 +124,8 @@ class Admission:
         stopped waiting (cancelled, closed, timed out: counted ``withdrawn``), and those answered
         after their caller's deadline -- past already (the call raised TimeoutError: counted
         ``expired``) or by the time this batch is answered (refused ``Overloaded``)."""
-        gone = [r for r in batch if r.peer.abandoned(r.seq)]
-        if gone:   # (one whose caller timed out counts as expired, as it would have below)
+        gone = [r for r in batch if r.peer.abandoned(r.seq)]   # (read once: a caller may
+        if gone:   # abandon meanwhile; one whose caller timed out counts as expired, as below)
             self._fail(gone, ST_EXPIRED, "its caller stopped waiting before its batch ran")
             timed_out = sum(0.0 < r.deadline <= time.monotonic() for r in gone)
             if timed_out:
@@ -133,7 +133,8 @@ class Admission:
             if len(gone) > timed_out:
                 self._count("withdrawn", len(gone) - timed_out)
             self.in_progress -= sum(r.rows for r in gone)
-            batch = [r for r in batch if not r.peer.abandoned(r.seq)]
+            dropped = {id(r) for r in gone}
+            batch = [r for r in batch if id(r) not in dropped]
         if not self.deadlines_seen:
             return batch
         expired, doomed = refused_at_close(time.monotonic(), batch, self.rate)

@@ -493,7 +493,7 @@ class SharedModel(Inputs):
             if not pid_alive(pid):
                 if queued:   # handed back (Intake.hand_back) by a process that died since: its
                     try:     # datagram may be gone with it -- offered again, to the live ones
-                        slot.send(slot._msg)
+                        slot.resend()
                     except OSError:
                         pass   # full queue: the next look sends it; the runtime gone: below
                 else:
@@ -742,6 +742,7 @@ class _Handles:
         self.pid = os.getpid()
         self.lock = threading.Lock()
         self.idle, self.stale, self.busy, self.creating = [], [], set(), 0
+        self.refused = 0   # the parent reports its own
 
     def release(self) -> None:
         """Detach idle slots now, busy ones when their call ends (woken with RuntimeStopped)."""

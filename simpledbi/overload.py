@@ -106,6 +106,7 @@ class ServiceRate:
         self._last_close = 0.0
         self._last_backlogged = False
         self._batches = 0
+        self.last_done = 0.0      # when the last batch was answered (monotonic seconds)
 
     @property
     def latency_bound(self) -> float:
@@ -121,6 +122,7 @@ class ServiceRate:
         a = self.alpha
         took = max(t_end - t_close, 0.0)
         self._batches += 1
+        self.last_done = max(self.last_done, t_end)
         if self._batches == 1:
             pass   # a process's first batch runs cold (lazy initialisation): not a cost of rows
         elif self.latency == 0.0:
@@ -329,14 +331,16 @@ def late_at_close(now: float, deadline: float, rate: ServiceRate) -> bool:
 
 def refused_at_close(now: float, batch: List, rate: ServiceRate) -> Tuple[List, List]:
     """At batch close: (expired, doomed) -- the requests of ``batch`` whose deadline has passed,
-    and those the learned latency says would be answered after it. A batch is never emptied of
-    doomed ones alone: the one with the latest deadline runs, since only a batch that runs
-    corrects the estimate (measured: after a slow first batch, a model refused every call of a
-    half load, for good, once its latency estimate exceeded their 100 ms timeout)."""
+    and those the learned latency says would be answered after it. A batch is not emptied of
+    doomed ones alone once no batch has finished for as long as the estimate says one takes:
+    the one with the latest deadline runs, since only a batch that runs corrects the estimate
+    (measured: after a slow first batch, a model refused every call of a half load, for good,
+    once its latency estimate exceeded their 100 ms timeout). While batches do finish, nothing
+    runs that the estimate says will be late."""
     late = [r for r in batch if late_at_close(now, r.deadline, rate)]
     expired = [r for r in late if r.deadline <= now]
     doomed = [r for r in late if r.deadline > now]
-    if doomed and len(expired) + len(doomed) == len(batch):
+    if doomed and len(expired) + len(doomed) == len(batch) and now - rate.last_done >= rate.latency_bound:
         doomed.remove(max(doomed, key=lambda r: r.deadline))
     return expired, doomed
 

@@ -194,6 +194,12 @@ class ClientSlot:
         else:
             self.sock.sendmsg([msg], self._anc, flags)
 
+    def resend(self) -> None:
+        """Send the current request's datagram again (its refusal count already reported)."""
+        msg = bytearray(self._msg)
+        _REFUSED.pack_into(msg, _REFUSED_B, 0)
+        self.send(bytes(msg))
+
     def _layout(self, names: int, positions, items) -> bytes:
         parts = [LAYOUT_HEAD.pack(self.out_offset, names, len(positions))]
         for p, item in zip(positions, items):
@@ -330,6 +336,7 @@ class ClientSlot:
 _SEQ_B = 16   # offset of seq in REQ_PREFIX: magic u32, fd i32, token u64
 _SEQ_ROWS_T = struct.Struct("<qqddii")   # seq, rows, t_publish, deadline, priority, refused
 _T_B = _SEQ_B + 16
+_REFUSED_B, _REFUSED = REQ_PREFIX.size - 4, struct.Struct("<i")   # the last field of REQ_PREFIX
 assert REQ_PREFIX.unpack(REQ_PREFIX.pack(1, 2, 3, 4, 5, 6.0, 7.0, 8, 9))[3:] == \
     _SEQ_ROWS_T.unpack_from(REQ_PREFIX.pack(1, 2, 3, 4, 5, 6.0, 7.0, 8, 9), _SEQ_B)
 

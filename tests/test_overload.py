@@ -324,12 +324,12 @@ def test_a_newcomer_that_cannot_make_its_deadline_displaces_no_one(start_runtime
 
 
 @pytest.mark.timeout(120)
-def test_cancelled_calls_a_model_process_took_do_not_run(start_runtime):
+def test_cancelled_calls_a_model_process_took_do_not_run(start_runtime, gate):
     """Cancelling forward_async tasks whose requests a model process already holds (taken,
     waiting for a batch) drops them at their batch's close: they never run."""
     import asyncio
     # (a batch takes 0.8 s: the time the cancelled calls' threads have to say so, under load)
-    rt = start_runtime(cpu_model("m", functools.partial(models.sleepy, 0.8), max_batch_size=1))
+    rt = start_runtime(cpu_model("m", functools.partial(models.sleepy, 0.8, gate.name), max_batch_size=1))
     m = SharedModel("m", max_shape=(1, 4), namespace=rt.namespace)
 
     async def until(cond):
@@ -337,17 +337,20 @@ def test_cancelled_calls_a_model_process_took_do_not_run(start_runtime):
             await asyncio.sleep(0.005)   # polls a shared-memory condition
 
     async def main():
-        first = asyncio.ensure_future(m.forward_async(X * 1))
-        await until(lambda: _held(m) == 1)
+        first = asyncio.ensure_future(m.forward_async(np.full((1, 4), models.GATE, np.float32)))
+        await asyncio.get_running_loop().run_in_executor(None, gate.wait_entered)
         rest = [asyncio.ensure_future(m.forward_async(X * k)) for k in range(2, 6)]
-        await until(lambda: m.stats()["batches"] >= 1 and _held(m) == 4)   # 2 runs, 3-5 wait
-        for task in rest[1:]:
+        # all four queued on the socket while the first runs ...
+        await until(lambda: sum(slot.queued() for slot in list(m._h.busy)) == 4)
+        gate.open()
+        await until(lambda: m.stats()["batches"] >= 1 and _held(m) == 4)   # ... taken at once:
+        for task in rest[1:]:                                              # 2 runs, 3-5 wait
             task.cancel()
         got = await asyncio.gather(first, *rest, return_exceptions=True)
         return got
 
     got = asyncio.run(asyncio.wait_for(main(), 60))
-    np.testing.assert_array_equal(got[0], X * 3)
+    assert not isinstance(got[0], BaseException), got[0]
     np.testing.assert_array_equal(got[1], X * 5)
     assert all(isinstance(g, asyncio.CancelledError) for g in got[2:])
     np.testing.assert_array_equal(m.forward(X * 7), X * 15)   # its slots serve again

@@ -132,6 +132,8 @@ def test_a_batch_is_never_emptied_on_the_estimate_alone():
     assert refused_at_close(10.0, [a, b, fine], rate) == ([], [a, b])   # someone runs anyway
     assert refused_at_close(10.0, [c], rate) == ([c], [])
     assert refused_at_close(10.0, [Req(5, 0.0)], rate) == ([], [])      # no deadline
+    rate.last_done = 9.8   # a batch finished 0.2 s ago, sooner than the estimate's 0.5 s:
+    assert refused_at_close(10.0, [a, b], rate) == ([], [a, b])         # it holds; nothing runs
 
 
 def test_queue_bound():
