@@ -5,6 +5,7 @@ import contextlib
 import multiprocessing as mp
 import os
 import secrets
+import signal
 import threading
 
 import numpy as np
@@ -16,6 +17,11 @@ from simpledbi import ModelConfig, RuntimeOptions
 from simpledbi.runtime import Runtime
 
 FAST = RuntimeOptions(poll_interval=0.05, join_timeout=10.0)
+
+# A shell starts a background job (`pytest &`, or under nohup) with SIGINT ignored, and every
+# process the tests start would inherit that: the Ctrl-C tests would then test nothing. They
+# start from Python's own default instead.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def ours(pid: int = None) -> list:
