@@ -25,11 +25,13 @@ To see what waits, a model process takes every queued datagram off the socket, n
 ahead, when it is the model's only process or callers send priorities or the queue is bounded
 (a request still in the kernel queue gets no turn and no answer); with several processes and
 callers that set deadlines, it takes more while its backlog is within a batch of its least
-loaded peer's (past capacity they all grow, and the socket is drained); otherwise it stays at
-one batch ahead, since what one process takes the others cannot (Admission.takes_more;
-Intake.hand_back gives an idle peer what a busy one holds beyond its next batch). With callers that set deadlines it keeps taking them while the device runs a batch (a
-CPU model's forward pass then runs on a helper thread), so most refusals come within a fraction
-of a millisecond of the call, not after the batch ahead.
+loaded peer's (past capacity they all grow); otherwise it stays at one batch ahead, since what
+one process takes the others cannot (Admission.takes_more; Intake.hand_back gives an idle peer
+what a busy one holds beyond its next batch). With callers that set deadlines it keeps taking
+them while the device runs a batch (a CPU model's forward pass then runs on a helper thread), so
+with one model process most refusals come within a fraction of a millisecond of the call, not
+after the batch ahead (with several, what waits in the socket's queue is refused only once
+taken: README, Known limits).
 
 **The client refuses first when it can.** Each model process publishes in its instance row how
 many requests wait there and how long a newcomer at default priority would wait
