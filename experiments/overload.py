@@ -50,27 +50,30 @@ HIGH = int(os.environ.get("SIMPLEDBI_HIGH", "1"))
 
 
 class SlowEcho:
-    """x -> x, taking ``seconds`` per batch whatever its size (a sleep: the CPU stays free)."""
+    """x -> x, taking ``seconds`` per batch whatever its size (a sleep: the CPU stays free) --
+    ``cold_seconds`` per batch for the first ``cold_for`` seconds (a device warming up)."""
 
-    def __init__(self, seconds: float):
-        self.seconds = seconds
+    def __init__(self, seconds: float, cold_seconds: float = 0.0, cold_for: float = 0.0):
+        self.seconds, self.cold_seconds = seconds, cold_seconds
+        self.cold_until = time.monotonic() + cold_for
 
     def __call__(self, x):
-        time.sleep(self.seconds)
+        time.sleep(self.cold_seconds if time.monotonic() < self.cold_until else self.seconds)
         return x
 
 
-def slow_echo(seconds: float):
-    return SlowEcho(seconds)
+def slow_echo(seconds: float, cold_seconds: float = 0.0, cold_for: float = 0.0):
+    return SlowEcho(seconds, cold_seconds, cold_for)
 
 
 def model_config(a) -> ModelConfig:
     if a.model == "echo":
-        return ModelConfig(name="m", factory=functools.partial(slow_echo, a.batch_ms / 1e3), device="cpu",
-                           max_batch_size=16, num_threads=1, max_clients=4096)
+        return ModelConfig(name="m", factory=functools.partial(slow_echo, a.batch_ms / 1e3, a.cold_ms / 1e3,
+                                                               a.cold_s), device="cpu",
+                           max_batch_size=16, num_threads=1, max_clients=4096, model_num=a.model_num or 1)
     import benchmark
     path = benchmark.ensure_model(a.model_path, model="resnet50")
-    return ModelConfig(name="m", path=path, max_batch_size=32, model_num=3, max_clients=4096)
+    return ModelConfig(name="m", path=path, max_batch_size=32, model_num=a.model_num or 3, max_clients=4096)
 
 
 def item_shape(a) -> tuple:
@@ -82,7 +85,8 @@ def client_main(ns: str, shape: tuple, rate: float, t0: float, duration: float, 
                 timeout, high_frac: float, seed: int, conn) -> None:
     """Open loop (``rate`` > 0: Poisson arrivals, handed to ``threads`` callers) or closed loop
     (``rate`` 0: each thread calls again as soon as answered), from ``t0`` for ``duration`` s.
-    Sends back (t_sched, t_call, t_end, outcome, priority) rows."""
+    Sends back (t_sched, t_call, t_end, outcome, priority, published, batch_closed, done) rows
+    (the last three from last_timing() for answered calls, else 0)."""
     model = SharedModel("m", max_shape=(1, *shape), namespace=ns)
     x = np.random.default_rng(seed).standard_normal((1, *shape)).astype(np.float32)
     model.forward(x)   # attach and warm, outside the window
@@ -93,12 +97,15 @@ def client_main(ns: str, shape: tuple, rate: float, t0: float, duration: float, 
 
     def call(t_sched, prio):
         t_call = time.monotonic()
+        stages = (0.0, 0.0, 0.0)
         try:
             if prio:
                 model.forward(x, timeout=timeout, priority=prio)
             else:   # (runs against a simpledbi without priorities too: --parts capacity,fairness)
                 model.forward(x, timeout=timeout)
             out = OK
+            tm = model.last_timing()
+            stages = (tm["published"], tm["batch_closed"], tm["done"])
         except Overloaded as e:
             out = SHED_DEADLINE if e.reason == "deadline" else SHED_QUEUE
         except TimeoutError:
@@ -106,7 +113,7 @@ def client_main(ns: str, shape: tuple, rate: float, t0: float, duration: float, 
         except Exception:  # noqa: BLE001 - counted
             out = ERROR
         with lock:
-            rows.append((t_sched, t_call, time.monotonic(), out, prio))
+            rows.append((t_sched, t_call, time.monotonic(), out, prio, *stages))
 
     def worker():
         if rate <= 0:
@@ -142,7 +149,7 @@ def client_main(ns: str, shape: tuple, rate: float, t0: float, duration: float, 
             todo.put(None)
     for t in pool:
         t.join(120)
-    conn.send(np.array(rows, dtype=np.float64).reshape(-1, 5))
+    conn.send(np.array(rows, dtype=np.float64).reshape(-1, 8))
     model.close()
 
 
@@ -166,8 +173,14 @@ def run_clients(ns, a, rate, threads_per_proc, procs, timeout, high_frac=0.0, du
     return out, duration
 
 
+def _stages(rows, sel):
+    r = rows[sel & (rows[:, 5] > 0)]
+    return {"publish": r[:, 5] - r[:, 1], "queued": r[:, 6] - r[:, 5], "batch": r[:, 7] - r[:, 6],
+            "wake": r[:, 2] - r[:, 7]}
+
+
 def summarize(parts, duration, timeout_s):
-    rows = np.concatenate(parts) if parts else np.zeros((0, 5))
+    rows = np.concatenate(parts) if parts else np.zeros((0, 8))
     lat = rows[:, 2] - rows[:, 0]
     ok = rows[:, 3] == OK
     shed = (rows[:, 3] == SHED_DEADLINE) | (rows[:, 3] == SHED_QUEUE)
@@ -186,6 +199,11 @@ def summarize(parts, duration, timeout_s):
         "shed_within_1ms": float((shed_lat <= 1e-3).mean()) if len(shed_lat) else None,
         "late_answers": int((ok & (lat > timeout_s)).sum()),
         "high_p99_ms": pct(lat[ok & (rows[:, 4] == 1)], 99),
+        "call_lag_p99_ms": pct(rows[:, 1] - rows[:, 0], 99),   # the harness's own wait for a thread
+        # where answered high-priority calls spent their time: call to publish, publish to their
+        # batch's close (the socket's queue, then the process's backlog), the batch itself
+        **{f"high_{name}_p{q}_ms": pct(v, q) for name, v in _stages(rows, ok & (rows[:, 4] == 1)).items()
+           for q in (50, 99)},
         "low_p99_ms": pct(lat[ok & (rows[:, 4] == 0)], 99),
     }
 
@@ -205,6 +223,9 @@ def main():
     ap.add_argument("--parts", default="capacity,curve,priority,fairness")
     ap.add_argument("--capacity", type=float, default=0.0,
                     help="req/s to take as capacity instead of measuring it (0: measure)")
+    ap.add_argument("--cold_ms", type=float, default=0.0, help="echo: milliseconds per batch while cold")
+    ap.add_argument("--cold_s", type=float, default=0.0, help="echo: seconds it stays cold after loading")
+    ap.add_argument("--model_num", type=int, default=0, help="model processes (0: 1 for echo, 3 for resnet50)")
     ap.add_argument("--out", default="overload")
     a = ap.parse_args()
     parts = a.parts.split(",")
@@ -233,7 +254,7 @@ def main():
                           f"({s['goodput'] / cap:.0%} of capacity)  p50 {s['p50_ms']} p99 {s['p99_ms']} ms  "
                           f"shed {s['shed_deadline']}+{s['shed_queue']} (p50 {s['shed_p50_ms']}, p99 "
                           f"{s['shed_p99_ms']}, max {s['shed_max_ms']} ms, {s['shed_within_1ms']} within 1 ms)  timeouts {s['timeouts']}  "
-                          f"late {s['late_answers']}  errors {s['errors']}", flush=True)
+                          f"late {s['late_answers']}  errors {s['errors']}  harness lag p99 {s['call_lag_p99_ms']} ms", flush=True)
         if "priority" in parts:
             result["priority"] = {}
             for load in (0.5, 2.0):
@@ -241,7 +262,12 @@ def main():
                 s = summarize(got, d, a.timeout)
                 result["priority"][str(load)] = s
                 print(f"priority {load}x: high p99 {s['high_p99_ms']} ms, low p99 {s['low_p99_ms']} ms, "
-                      f"goodput {s['goodput']:.0f}/s, shed {s['shed_deadline']}", flush=True)
+                      f"goodput {s['goodput']:.0f}/s, shed {s['shed_deadline']}+{s['shed_queue']} "
+                      f"({s['shed_within_1ms']} within 1 ms), timeouts {s['timeouts']}, "
+                      f"harness lag p99 {s['call_lag_p99_ms']} ms", flush=True)
+                print(f"priority {load}x, high, p50/p99 ms: " + "  ".join(
+                    f"{k} {s[f'high_{k}_p50_ms']}/{s[f'high_{k}_p99_ms']}" for k in ("publish", "queued", "batch", "wake")),
+                    flush=True)
         if "fairness" in parts:
             result["fairness"] = {}
             for name, counts in (("alone", [1] * 8), ("flood", [64] + [1] * 7)):

@@ -63,6 +63,13 @@ _IDLE_GAP = 0.5
 #: milliseconds (measured on an H100: a cold start refused 73% of a half load); a real slowdown
 #: still shows, each batch moving the estimate by up to (4 - 1) / _MEMORY = 15%.
 _OUTLIER = 4.0
+#: A batch answered in less than this fraction of the learned latency (or at over its inverse
+#: times the learned rate) means the process changed pace -- a device
+#: warmed up, a neighbour left: the estimate moves halfway there at once, and its spread
+#: halves. An estimate too high sustains itself (the refusals it makes stop the batches that
+#: would correct it; measured, CPU echo warmed up at 150 ms a batch, then 10 ms: 0% of a 2x load
+#: answered over the next 4 s), while one too low is corrected by the batches it lets run.
+_CHANGED_PACE = 0.5
 
 REASONS = ("deadline", "queue")
 
@@ -129,6 +136,9 @@ class ServiceRate:
             pass   # a process's first batch runs cold (lazy initialisation): not a cost of rows
         elif self.latency == 0.0:
             self.latency = took
+        elif took < _CHANGED_PACE * self.latency:
+            self.latency = (self.latency + took) / 2
+            self.latency_dev /= 2
         else:
             took = min(took, _OUTLIER * self.latency)
             self.latency_dev = (1 - a) * self.latency_dev + a * abs(took - self.latency)
@@ -137,6 +147,10 @@ class ServiceRate:
         if backlogged and self._last_backlogged and 0.0 < gap < _IDLE_GAP:
             rate = rows / gap
             self.rows_per_s = rate if self.rows_per_s == 0.0 else (1 - a) * self.rows_per_s + a * rate
+        if self._batches > 1 and took > 0.0 and rows / took * _CHANGED_PACE > self.rows_per_s > 0.0:
+            # any batch shows the process gets through at least its rows in the time it took:
+            # the evidence a rate learned too low needs, when its refusals leave no backlog
+            self.rows_per_s = (self.rows_per_s + rows / took) / 2
         self._last_close, self._last_backlogged = t_close, backlogged
 
     def wait(self, rows_ahead: float, overtaking: float = 0.0) -> float:

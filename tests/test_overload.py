@@ -90,6 +90,29 @@ def test_one_slow_batch_does_not_refuse_every_later_call(start_runtime):
 
 
 @pytest.mark.timeout(120)
+def test_a_model_that_sped_up_answers_again_within_a_few_of_its_old_batches(start_runtime):
+    """Learned slow (a device warming up: here one batch of 1 s after the cold first one), then
+    fast again: calls whose timeout is shorter than the old latency are refused only until a
+    batch shows the new pace -- not for the ~20 batches an average would take to forget."""
+    rt = start_runtime(cpu_model("m", functools.partial(models.sleepy, 0.01), max_batch_size=4))
+    m = SharedModel("m", max_shape=(1, 4), namespace=rt.namespace)
+    m.forward(X)                                  # the cold first batch teaches nothing
+    m.forward(X * models.SLOW)                    # this one does: about 1 s a batch
+    t_fast = time.monotonic()
+    streak, k = 0, 0
+    while streak < 8:                             # one call every 20 ms, each with 0.3 s
+        assert time.monotonic() - t_fast < 5.0, f"still refusing after 5 s (streak {streak})"
+        k += 1
+        try:
+            np.testing.assert_array_equal(m.forward(X * k, timeout=0.3), X * k * 2 + 1)
+            streak += 1
+        except Overloaded:
+            streak = 0
+            threading.Event().wait(0.02)          # pacing the calls, not synchronisation
+    assert m.stats()["rejected"]["queue"] == 0
+
+
+@pytest.mark.timeout(120)
 def test_a_model_process_refuses_what_its_client_could_not_judge(start_runtime):
     """The wait a model process publishes is a newcomer's at default priority; a lower priority
     waits behind every default one, which only the model process sees: it refuses it."""

@@ -82,6 +82,33 @@ def test_one_stalled_batch_moves_the_latency_a_bounded_step():
     assert rate.latency_bound < 0.02
 
 
+def test_a_process_that_sped_up_is_believed_at_once():
+    """An estimate too high sustains itself (its refusals stop the batches that would correct
+    it): a batch in under half the learned latency moves it halfway there, and any batch's rows
+    over its time lift a rate learned too low."""
+    rate = ServiceRate(memory=20.0)
+    rate.batch_done(16, t_close=0.0, t_end=1.0, backlogged=True)            # cold: not learned
+    for k in range(1, 6):                                                    # warming: 150 ms
+        rate.batch_done(16, t_close=k * 0.15, t_end=k * 0.15 + 0.15, backlogged=True)
+    assert rate.latency == pytest.approx(0.15) and rate.rows_per_s == pytest.approx(16 / 0.15)
+    rate.batch_done(16, t_close=2.0, t_end=2.01, backlogged=False)           # warm: 10 ms
+    assert rate.latency == pytest.approx(0.08)
+    assert rate.rows_per_s == pytest.approx((16 / 0.15 + 16 / 0.01) / 2)
+    rate.batch_done(1, t_close=2.5, t_end=2.51, backlogged=False)   # 100 rows/s: no news
+    assert rate.rows_per_s == pytest.approx((16 / 0.15 + 16 / 0.01) / 2)
+    for k in range(4):
+        rate.batch_done(1, t_close=3.0 + k, t_end=3.01 + k, backlogged=False)
+    assert rate.latency_bound < 0.02
+
+
+def test_jitter_moves_the_estimate_by_the_average():
+    rate = ServiceRate(memory=20.0)
+    rate.batch_done(8, t_close=0.0, t_end=1.0, backlogged=False)
+    rate.batch_done(8, t_close=1.0, t_end=1.01, backlogged=False)
+    rate.batch_done(8, t_close=2.0, t_end=2.006, backlogged=False)   # 0.6x: jitter, not a new pace
+    assert rate.latency == pytest.approx(0.01 - 0.004 / 20)
+
+
 def test_admit_refuses_what_cannot_make_its_deadline():
     rate = ServiceRate(memory=1.0)
     rate.rows_per_s, rate.latency = 1000.0, 0.005
