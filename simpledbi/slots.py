@@ -54,6 +54,7 @@ import struct
 import threading
 import time
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -118,7 +119,6 @@ class ClientSlot:
         self.seg = Segment.create_memfd("sdbi-slot", size + 4096, grow=True)
         self._map_views()
         _Q2.pack_into(self.seg.buf, SEG_MAGIC_OFF, MAGIC, self.token)
-        self._done = self._base + DONE_OFF
         for k in range(TICKETS):
             futex.ticket_init(self._base + TICKETS_OFF + 4 * k)
         self._waiter = futex.Waiter()
@@ -138,8 +138,7 @@ class ClientSlot:
         self._resp_seq = seg.ndarray(RESP_SEQ_OFF, np.int64, (1,))
         self._in_views: dict = {}
         self._out_views: dict = {}
-        if hasattr(self, "_done"):
-            self._done = self._base + DONE_OFF
+        self._done = self._base + DONE_OFF
 
     def _drop_views(self) -> None:
         self._u8 = self._resp_seq = None
@@ -391,38 +390,14 @@ class Request:
     layout_raw: bytes = b""                       # its datagram's layout bytes (a hand-back)
     held: int = -1                                # its HELD row in the control block
 
-    @property
-    def pid(self) -> int:
-        """Its client process (the kernel's word): the unit of fair turns."""
-        return self.peer.pid
-
-    @property
-    def items(self):
-        return self.layout.items
-
-    @property
-    def dtypes(self):
-        return self.layout.dtypes
-
-    @property
-    def offsets(self):
-        return self.layout.offsets
-
-    @property
-    def out_offset(self):
-        return self.layout.out_offset
-
-    @property
-    def key(self):
-        return self.layout.key
-
-    @property
-    def kind(self):
-        return self.layout.kind
-
-    @property
-    def names(self):
-        return self.layout.names
+    pid = property(attrgetter("peer.pid"))   # its client (the kernel's word): the unit of fair turns
+    items = property(attrgetter("layout.items"))
+    dtypes = property(attrgetter("layout.dtypes"))
+    offsets = property(attrgetter("layout.offsets"))
+    out_offset = property(attrgetter("layout.out_offset"))
+    key = property(attrgetter("layout.key"))
+    kind = property(attrgetter("layout.kind"))
+    names = property(attrgetter("layout.names"))
 
 
 class Peer:
