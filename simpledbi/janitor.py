@@ -15,7 +15,7 @@ import signal
 
 from .interrupts import ignore_ctrl_c
 from .layout import STOPPING, ControlBlock
-from .mps import PrivateDaemon, wait_exit
+from .mps import PrivateDaemon, pidfds, wait_exit
 from .naming import unregister
 from .shm import sweep_namespace
 
@@ -75,12 +75,7 @@ def _signal(pid: int, sig: int) -> None:
 
 def _wait_all(pids, timeout: float) -> None:
     """Wait until every pid has exited, or the timeout."""
-    fds = {}
-    for pid in pids:
-        try:
-            fds[pid] = os.pidfd_open(pid)
-        except OSError:
-            continue
+    fds = pidfds(pids)
     try:
         wait_exit(fds, timeout)
     finally:

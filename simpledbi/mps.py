@@ -192,7 +192,8 @@ class PrivateDaemon:
         Idempotent; never raises (it runs on every exit path, the janitor's included)."""
         pinned = {}
         try:
-            pinned = _pin(_our_pids(self.env[PIPE_VAR]), self.env[PIPE_VAR])
+            pipe_dir = self.env[PIPE_VAR]
+            pinned = pidfds(_our_pids(pipe_dir), lambda pid: _is_ours(pid, pipe_dir))
             deadline = time.monotonic() + timeout
             self.command("quit", timeout)
             left = wait_exit(pinned, deadline - time.monotonic())
@@ -249,15 +250,16 @@ def _our_pids(pipe_dir: str) -> List[int]:
             if e.isdigit() and int(e) != os.getpid() and _is_ours(int(e), pipe_dir)]
 
 
-def _pin(pids: List[int], pipe_dir: str) -> Dict[int, int]:
-    """pid -> pidfd of each process still ours once pinned (a reused pid fails the re-check)."""
+def pidfds(pids, keep: Optional[Callable[[int], bool]] = None) -> Dict[int, int]:
+    """pid -> pidfd of each process that exists and, once pinned, passes ``keep`` (checked after
+    the pidfd is open: a pid reused in between fails it)."""
     pinned = {}
     for pid in pids:
         try:
             fd = os.pidfd_open(pid)
         except OSError:
             continue
-        if _is_ours(pid, pipe_dir):
+        if keep is None or keep(pid):
             pinned[pid] = fd
         else:
             os.close(fd)
