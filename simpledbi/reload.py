@@ -42,10 +42,8 @@ class Reloads:
             if path is not None:   # a model file, or a factory by import path "module:function"
                 try:
                     kind, source = sources.resolve(os.fspath(path))
-                except FileNotFoundError as e:
-                    raise FileNotFoundError(f"reload {model!r}: {e}") from None
-                except ValueError as e:
-                    raise ValueError(f"reload {model!r}: {e}") from None
+                except (FileNotFoundError, ValueError) as e:
+                    raise type(e)(f"reload {model!r}: {e}") from None
                 if kind == "path":
                     cfg = dataclasses.replace(cfg, path=source, factory=None)
                 else:

@@ -2,19 +2,17 @@
 
 Process tree of one run::
 
-    main (Run / Runtime)                 supervisor thread: restarts (this module)
+    main (Run / Runtime)                 supervisor thread: restarts (supervisor.py)
      +-- janitor                        cleans /dev/shm if main dies (janitor.py)
      +-- (nvidia-cuda-mps-control -d)   a private CUDA MPS daemon, when wanted (mps.py)
      +-- model "a" instance 0..n-1       model_process.py
      +-- model "b" instance 0..m-1
      +-- worker 0..worker_num-1          worker.py -> your target(rank, *args, **kwargs)
 
-The supervisor thread (supervisor.py) sees a model process die within milliseconds, answers the
-requests it held with ``ModelProcessDied`` and restarts it with back-off while the other
-instances keep serving; after ``ModelConfig.max_restarts`` failures within ``restart_window``
-seconds the model is marked broken, and only then does ``Run`` raise. Shutdown is ordered and
-idempotent: refuse new requests -> stop workers -> wake and stop model processes -> join with
-timeout -> terminate -> kill -> answer what is left queued -> close views -> remove the namespace.
+A model process that dies is restarted while the other instances serve (supervisor.py); only a
+model marked broken makes ``Run`` raise. Shutdown is ordered and idempotent: refuse new requests
+-> stop workers -> wake and stop model processes -> join with timeout -> terminate -> kill ->
+answer what is left queued -> close views -> remove the namespace.
 """
 from __future__ import annotations
 
