@@ -25,6 +25,7 @@ match is pinned with a pidfd and checked again, so a pid reused in between is ne
 from __future__ import annotations
 
 import collections
+import contextlib
 import glob
 import logging
 import os
@@ -201,10 +202,8 @@ class PrivateDaemon:
                 logger.warning("CUDA MPS daemon in %s did not quit within %g s; killing pids %s",
                                self.directory, timeout, sorted(left))
                 for fd in left.values():
-                    try:
+                    with contextlib.suppress(ProcessLookupError):
                         signal.pidfd_send_signal(fd, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
                 wait_exit(left, _KILL_WAIT)
         except Exception:  # noqa: BLE001 - cleanup goes on; say what failed
             logger.exception("stopping the CUDA MPS daemon in %s failed", self.directory)

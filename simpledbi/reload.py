@@ -3,6 +3,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -118,10 +119,8 @@ class Reloads:
             ctl.all_instances[m.row]["state"] = INST_RETIRING
         ctl.all_instances[m.row]["free"] = 0
         self._retired.append(m)
-        try:
+        with contextlib.suppress(OSError):
             os.write(self._wake_w, b"r")  # the supervisor watches its exit from now on
-        except OSError:
-            pass
 
     def _forget(self, m: _ModelProc) -> None:
         """A process that exited and was handled: release its pipe and handle (a long-lived
@@ -130,9 +129,7 @@ class Reloads:
             if m in self._retired:
                 self._retired.remove(m)
         self._tell_janitor("gone", m.proc.pid)
-        try:
+        with contextlib.suppress(OSError, ValueError):
             if not m.conn.closed:
                 m.conn.close()
             m.proc.close()
-        except (OSError, ValueError):
-            pass

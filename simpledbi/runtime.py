@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -187,10 +188,8 @@ class Runtime(Supervision, Reloads, Workers):
     def _tell_janitor(self, *msg) -> None:
         with self._janitor_lock:
             if self._janitor_conn is not None:
-                try:
+                with contextlib.suppress(OSError):
                     self._janitor_conn.send(msg)
-                except OSError:
-                    pass
 
     def _spawn_model(self, cfg: ModelConfig, instance: int, row: Optional[int] = None,
                      standby: bool = False) -> _ModelProc:
@@ -291,11 +290,9 @@ class Runtime(Supervision, Reloads, Workers):
         n = 0
         for name, ctl in self.ctls.items():
             n += int(ctl.all_instances["held"].sum())
-            try:
+            with contextlib.suppress(OSError):
                 self.sockets[name].recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
                 n += 1
-            except OSError:
-                pass
         return n
 
     def _unregister(self) -> None:

@@ -20,6 +20,7 @@ attaching process exits (CPython #82300/#104291); and it cannot be sealed.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import logging
@@ -123,10 +124,8 @@ class Segment:
             return
         new = mmap.mmap(self.fd, size, access=mmap.ACCESS_READ if self.readonly else mmap.ACCESS_WRITE)
         old, self._mmap, self.size = self._mmap, new, size
-        try:
+        with contextlib.suppress(BufferError):  # a view of the old mapping lives: so does it, until dropped
             old.close()
-        except BufferError:
-            pass  # someone still holds a view of the old mapping: it lives until they drop it
 
     def close(self) -> None:
         if self._mmap is not None:

@@ -46,6 +46,7 @@ Why it cannot cross, lose or wedge:
 from __future__ import annotations
 
 import array
+import contextlib
 import math
 import os
 import secrets
@@ -323,11 +324,9 @@ class ClientSlot:
             seg, self.seg = self.seg, None
         if seg is None:
             return
-        try:
+        with contextlib.suppress(ValueError):
             _I64.pack_into(seg.buf, CLOSED_OFF, 1)
             futex.take(self._ticket)
-        except ValueError:
-            pass
         self._drop_views()
         seg.close()
 

@@ -5,6 +5,7 @@ the model marked broken. A part of :class:`simpledbi.runtime.Runtime` (its state
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -39,10 +40,8 @@ def exit_how(code) -> str:
     """``exit code N``, and the signal's name when a signal ended the process."""
     how = f"exit code {code}"
     if code is not None and code < 0:
-        try:
+        with contextlib.suppress(ValueError):
             how += f" ({signal.Signals(-code).name})"
-        except ValueError:
-            pass
     return how
 
 
@@ -116,10 +115,8 @@ class Supervision:
             return
         text = m.describe() + (" while loading" if m.loading else "")
         if not m.loading:
-            try:
+            with contextlib.suppress(OSError):
                 m.conn.close()
-            except OSError:
-                pass
         row = ctl.all_instances[m.row]
         row["free"] = 0        # a dead process is not an idle peer,
         row["queued"] = 0      # and what it held is answered below: nothing waits there
