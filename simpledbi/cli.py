@@ -198,10 +198,7 @@ def _serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = load_serve_config(args)
-    running = naming.resolve(cfg.name)
-    if running is not None:   # before "starting": this one would not (register() refuses too)
-        raise RuntimeError(f"a simpledbi runtime named {cfg.name!r} is already running (pid "
-                           f"{running.pid}); stop it or choose another name")
+    naming.refuse_if_live(naming.resolve(cfg.name), cfg.name)   # before "starting" (register() too)
     if cfg.metrics_port is not None and importlib.util.find_spec("prometheus_client") is None:
         # before loading any model: a missing extra fails fast
         raise ImportError("--metrics-port needs prometheus_client: pip install 'simpledbi[metrics]'")

@@ -305,7 +305,7 @@ def register(name: str, namespace: str, models: Sequence[str]) -> str:
     here = os.path.dirname(path)
     for other in lookup_dirs():
         if other != here:   # here: the loop below
-            _refuse_if_live(_read(name, other), name)
+            refuse_if_live(_read(name, other), name)
     body = json.dumps({"namespace": namespace, "pid": os.getpid(), "models": list(models),
                        "started": time.time()}).encode()
     for _ in range(8):
@@ -321,7 +321,7 @@ def register(name: str, namespace: str, models: Sequence[str]) -> str:
                 raise PermissionError(errno.EACCES, f"the runtime name {name!r} is taken by "
                                       f"another user (uid {owner}, {path})")
             old = _read(name, here)
-            _refuse_if_live(old, name)
+            refuse_if_live(old, name)
             if old is None and _young(path):
                 time.sleep(0.05)  # another runtime is writing it right now
                 continue
@@ -337,7 +337,7 @@ def register(name: str, namespace: str, models: Sequence[str]) -> str:
     raise RuntimeError(f"could not register the runtime name {name!r} ({path})")
 
 
-def _refuse_if_live(reg: Optional[Registration], name: str) -> None:
+def refuse_if_live(reg: Optional[Registration], name: str) -> None:
     if reg is not None and _live(reg):
         raise RuntimeError(f"a simpledbi runtime named {name!r} is already running "
                            f"(pid {reg.pid}); stop it or choose another name")
