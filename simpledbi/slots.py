@@ -603,7 +603,7 @@ def parse_layout(raw: bytes, limits: Limits) -> Layout:
     if not (out_offset >= DATA_OFFSET and out_offset % 64 == 0):
         raise BadRequest(f"output offset {out_offset} is outside the slot's data")
     pos = LAYOUT_HEAD.size
-    items, dtypes, offsets, per_row = [], [], [], []
+    inputs = []
     for k in range(n_in):
         if len(raw) < pos + INPUT_HEAD.size:
             raise BadRequest("the request datagram is cut short")
@@ -625,15 +625,13 @@ def parse_layout(raw: bytes, limits: Limits) -> Layout:
         b = math.prod(dims) * dt.itemsize
         if b > limits.max_request_bytes or not (off >= DATA_OFFSET and off % 64 == 0):
             raise BadRequest(f"input {k}: {b} bytes a row at offset {off} do not fit a slot")
-        items.append(tuple(dims))
-        dtypes.append(dt)
-        offsets.append(off)
-        per_row.append(b)
+        inputs.append((dims, dt, off, b))
     if pos != len(raw):
         raise BadRequest(f"the request datagram has {len(raw) - pos} bytes too many")
+    items, dtypes, offsets, per_row = zip(*inputs)   # tuples
     key = shape_key([dtype_code(d) for d in dtypes], items, flags)
-    return Layout(out_offset, tuple(items), tuple(dtypes), tuple(offsets), tuple(per_row),
-                  tuple(zip(offsets, per_row)), names, key, (tuple(dtypes), tuple(items), flags))
+    return Layout(out_offset, items, dtypes, offsets, per_row, tuple(zip(offsets, per_row)), names, key,
+                  (dtypes, items, flags))
 
 
 def check_size(layout: Layout, rows: int, size: int, limits: Limits) -> Tuple[int, ...]:
