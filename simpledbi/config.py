@@ -38,14 +38,12 @@ def _normalize_devices(device) -> Tuple[str, ...]:
     devices = [device] if isinstance(device, str) else device
     if not isinstance(devices, (list, tuple)) or not devices:
         raise TypeError(f"device: expected a str or a non-empty list of str, got {device!r}")
-    out = []
     for d in devices:
         if not isinstance(d, str):
             raise TypeError(f"device: expected str entries, got {type(d).__name__} {d!r}")
         if not (d in ("cpu", "cuda", "auto") or re.fullmatch(r"cuda:\d+", d)):
             raise ValueError(f"device: expected 'cpu', 'cuda', 'cuda:N' or 'auto', got {d!r}")
-        out.append(d)
-    return tuple(out)
+    return tuple(devices)
 
 
 @dataclass(frozen=True)

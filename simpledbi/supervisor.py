@@ -29,11 +29,9 @@ class _ModelProc:
         self.exit_handled = False
         self.retiring = False    # replaced by a rolling reload: its exit is expected
 
-    def how(self) -> str:
-        return exit_how(self.proc.exitcode)
-
     def describe(self) -> str:
-        return f"model {self.cfg.name!r} process {self.instance} (pid {self.proc.pid}) died with {self.how()}"
+        return (f"model {self.cfg.name!r} process {self.instance} (pid {self.proc.pid}) died with "
+                f"{exit_how(self.proc.exitcode)}")
 
 
 def exit_how(code) -> str:
@@ -164,7 +162,7 @@ class Supervision:
         ctl = self.ctls[name]
         n = answer_held(ctl, m.row, m.proc.pid, ST_DIED,
                         f"model process {m.instance} (pid {m.proc.pid}) died while computing this "
-                        f"request ({m.how()}; it may or may not have run)")
+                        f"request ({exit_how(m.proc.exitcode)}; it may or may not have run)")
         ctl.all_instances[m.row]["held"] = 0
         if n:
             logger.debug("answered %d request(s) that %s held", n, m.describe())
