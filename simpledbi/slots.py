@@ -67,7 +67,7 @@ from .layout import (
     REQ_PREFIX, RESP_OFF, RESP_SEQ_OFF, RESP_WORD, RESPONSE, SEG_MAGIC_OFF,
     ST_BAD_REQUEST, ST_OK, TICKETS, TICKETS_OFF, MAGIC, ABANDON_OFF, align, code_dtype, dtype_code, shape_key,
 )
-from .shm import Segment, check_sealed
+from .shm import Segment, check_sealed, pid_alive
 
 _I64, _F64 = struct.Struct("<q"), struct.Struct("<d")
 _memmove = __import__("ctypes").memmove
@@ -171,8 +171,7 @@ class ClientSlot:
             layout = self._layouts[key] = self._layout(names, positions, items)
         self.seq += 1
         seq, now = self.seq, time.monotonic()
-        buf = self.seg.buf
-        _I64.pack_into(buf, PUB_SEQ_OFF, seq)
+        _I64.pack_into(self.seg.buf, PUB_SEQ_OFF, seq)
         futex.offer(self._ticket)
         self._msg = msg = self._prefix_bytes(seq, arrays[0].shape[0], now, deadline, priority) + layout
         self.send(msg)
@@ -185,9 +184,8 @@ class ClientSlot:
         return bytes(p)
 
     def send(self, msg: bytes, block: bool = False) -> None:
-        """One datagram to the model's socket: at once if its queue has room (the common case),
-        else (``block``) waiting up to the socket's send timeout (a kernel wait; BlockingIOError
-        after it). Non-blocking first: ``BlockingIOError`` tells the caller to wait."""
+        """One datagram to the model's socket. BlockingIOError when its queue is full -- at once,
+        or (``block``) after the socket's send timeout (a kernel wait)."""
         flags = 0 if block else socket.MSG_DONTWAIT
         if self._anc is None:
             self.sock.send(msg, flags)
@@ -236,7 +234,6 @@ class ClientSlot:
 
     def settled(self) -> bool:
         """A stale slot may be lent again: its late answer arrived, or its claimer is dead."""
-        from .shm import pid_alive
         if self.answered(self.stale_seq):
             return True
         claim = self.claimed_by(self.stale_seq)
