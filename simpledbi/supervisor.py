@@ -54,7 +54,6 @@ def _exited(m: _ModelProc) -> bool:
 class Supervision:
     """The supervisor thread's work (a mixin of Runtime)."""
 
-    # ------------------------------------------------------------ supervision
     def _supervise_models(self) -> None:
         """The supervisor thread: restarts and broken models. Never raises."""
         while not self._stop.is_set():
