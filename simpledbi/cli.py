@@ -185,8 +185,7 @@ def _model_config(entry: Dict[str, Any]) -> ModelConfig:
         raise ValueError(f"model {entry.get('name')!r}: no model file at {entry['path']!r}")
     if isinstance(entry.get("factory"), str):
         entry["factory"] = import_factory(entry["factory"])
-    fields = {f.name for f in dataclasses.fields(ModelConfig)}
-    unknown = set(entry) - fields
+    unknown = set(entry) - {f.name for f in dataclasses.fields(ModelConfig)}
     if unknown:
         raise ValueError(f"model {entry.get('name')!r}: unknown settings {sorted(unknown)}; "
                          f"expected ModelConfig fields")

@@ -86,7 +86,7 @@ def visible_gpu_count() -> int:
     return n
 
 
-def _gpu_of(device: str, ordinal: int = 0, gpus: int = 1) -> Optional[str]:
+def _gpu_of(device: str, ordinal: int, gpus: int) -> Optional[str]:
     """The CUDA device a model process with ``device`` lands on, None for the CPU. "cuda" and
     "auto" spread instances over the visible GPUs (engine.resolve_device); "auto" counts as a GPU
     whenever there is one (the parent never imports torch to check: without a GPU the MPS binary
