@@ -81,8 +81,7 @@ class Runtime(Supervision, Reloads, Workers):
         self.instances: Dict[Tuple[str, int], _ModelProc] = {}   # current incarnations
         self.worker_procs: Dict[int, Any] = {}
         self._cpu_procs = 1
-        self._janitor = None
-        self._janitor_conn = None
+        self._janitor = self._janitor_conn = None
         self._janitor_lock = threading.Lock()
         self._logs: Optional[LogRelay] = None
         #: What was done about CUDA MPS: managed (a private daemon), skipped (and why) or off.
@@ -100,8 +99,7 @@ class Runtime(Supervision, Reloads, Workers):
         self._reload_lock = threading.Lock()
         self.broken: Dict[str, str] = {}
         self._input_names: Dict[str, Tuple[str, ...]] = {}   # per model, from its first "ready"
-        self._started = False
-        self._closed = False
+        self._started = self._closed = False
 
     @property
     def model_procs(self) -> List[_ModelProc]:
