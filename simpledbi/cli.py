@@ -185,8 +185,7 @@ def _model_config(entry: Dict[str, Any]) -> ModelConfig:
         raise ValueError(f"model {entry.get('name')!r}: no model file at {entry['path']!r}")
     if isinstance(entry.get("factory"), str):
         entry["factory"] = import_factory(entry["factory"])
-    fields = {f.name for f in dataclasses.fields(ModelConfig)}
-    unknown = set(entry) - fields
+    unknown = set(entry) - {f.name for f in dataclasses.fields(ModelConfig)}
     if unknown:
         raise ValueError(f"model {entry.get('name')!r}: unknown settings {sorted(unknown)}; "
                          f"expected ModelConfig fields")
@@ -198,10 +197,7 @@ def _serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = load_serve_config(args)
-    running = naming.resolve(cfg.name)
-    if running is not None:   # before "starting": this one would not (register() refuses too)
-        raise RuntimeError(f"a simpledbi runtime named {cfg.name!r} is already running (pid "
-                           f"{running.pid}); stop it or choose another name")
+    naming.refuse_if_live(naming.resolve(cfg.name), cfg.name)   # before "starting" (register() too)
     if cfg.metrics_port is not None and importlib.util.find_spec("prometheus_client") is None:
         # before loading any model: a missing extra fails fast
         raise ImportError("--metrics-port needs prometheus_client: pip install 'simpledbi[metrics]'")

@@ -26,18 +26,24 @@ def _check_type(name: str, value: Any, types, expected: str) -> None:
         raise TypeError(f"{name}: expected {expected}, got {type(value).__name__} {value!r}")
 
 
+def _check_range(name: str, value: Any, types, expected: str, ok: Callable[[Any], bool],
+                 wanted: str) -> None:
+    """``_check_type``, then ValueError "<name>: expected <wanted>, got <value>" unless ``ok``."""
+    _check_type(name, value, types, expected)
+    if not ok(value):
+        raise ValueError(f"{name}: expected {wanted}, got {value}")
+
+
 def _normalize_devices(device) -> Tuple[str, ...]:
     devices = [device] if isinstance(device, str) else device
     if not isinstance(devices, (list, tuple)) or not devices:
         raise TypeError(f"device: expected a str or a non-empty list of str, got {device!r}")
-    out = []
     for d in devices:
         if not isinstance(d, str):
             raise TypeError(f"device: expected str entries, got {type(d).__name__} {d!r}")
         if not (d in ("cpu", "cuda", "auto") or re.fullmatch(r"cuda:\d+", d)):
             raise ValueError(f"device: expected 'cpu', 'cuda', 'cuda:N' or 'auto', got {d!r}")
-        out.append(d)
-    return tuple(out)
+    return tuple(devices)
 
 
 @dataclass(frozen=True)
@@ -126,20 +132,14 @@ class ModelConfig:
             object.__setattr__(self, "path", os.fspath(self.path))
         if self.factory is not None and not callable(self.factory):
             raise TypeError(f"factory: expected a callable, got {type(self.factory).__name__}")
-        _check_type("max_batch_size", self.max_batch_size, int, "int")
-        if self.max_batch_size < 1:
-            raise ValueError(f"max_batch_size: expected >= 1, got {self.max_batch_size}")
-        _check_type("model_num", self.model_num, int, "int")
-        if self.model_num < 1:
-            raise ValueError(f"model_num: expected >= 1, got {self.model_num}")
-        _check_type("wait_time", self.wait_time, (int, float), "a number of seconds")
-        if not 0 <= self.wait_time <= 60:
-            raise ValueError(f"wait_time: expected 0 <= seconds <= 60, got {self.wait_time}")
+        _check_range("max_batch_size", self.max_batch_size, int, "int", lambda v: v >= 1, ">= 1")
+        _check_range("model_num", self.model_num, int, "int", lambda v: v >= 1, ">= 1")
+        _check_range("wait_time", self.wait_time, (int, float), "a number of seconds",
+                     lambda v: 0 <= v <= 60, "0 <= seconds <= 60")
         object.__setattr__(self, "wait_time", float(self.wait_time))
         if self.latency_target is not None:
-            _check_type("latency_target", self.latency_target, (int, float), "seconds or None")
-            if not 0 < self.latency_target <= 3600:
-                raise ValueError(f"latency_target: expected 0 < seconds <= 3600, got {self.latency_target}")
+            _check_range("latency_target", self.latency_target, (int, float), "seconds or None",
+                         lambda v: 0 < v <= 3600, "0 < seconds <= 3600")
             object.__setattr__(self, "latency_target", float(self.latency_target))
         if self.batching not in ("adaptive", "fixed"):
             raise ValueError(f"batching: expected 'adaptive' or 'fixed', got {self.batching!r}")
@@ -171,9 +171,7 @@ class ModelConfig:
         if self.precision not in _PRECISIONS:
             raise ValueError(f"precision: expected one of {_PRECISIONS}, got {self.precision!r}")
         if self.num_threads is not None:
-            _check_type("num_threads", self.num_threads, int, "int or None")
-            if self.num_threads < 1:
-                raise ValueError(f"num_threads: expected >= 1, got {self.num_threads}")
+            _check_range("num_threads", self.num_threads, int, "int or None", lambda v: v >= 1, ">= 1")
         if self.gather not in _GATHER_MODES:
             raise ValueError(f"gather: expected one of {_GATHER_MODES}, got {self.gather!r}")
         if isinstance(self.cuda_graphs, str) and self.cuda_graphs != "auto":
@@ -191,28 +189,20 @@ class ModelConfig:
                 sizes.add(self.max_batch_size)
             sizes = tuple(sorted(n for n in sizes if 1 <= n <= self.max_batch_size))
             object.__setattr__(self, "cuda_graphs", sizes)
-        _check_type("max_clients", self.max_clients, int, "int")
-        if not 1 <= self.max_clients <= 65536:
-            raise ValueError(f"max_clients: expected 1..65536, got {self.max_clients}")
+        _check_range("max_clients", self.max_clients, int, "int", lambda v: 1 <= v <= 65536, "1..65536")
         _check_type("load_timeout", self.load_timeout, (int, float), "seconds")
         _check_type("isolate_errors", self.isolate_errors, bool, "bool")
         if self.max_queue is not None:
-            _check_type("max_queue", self.max_queue, int, "int or None")
-            if not 0 <= self.max_queue <= 2**31:
-                raise ValueError(f"max_queue: expected 0..2**31 requests or None, got {self.max_queue}")
+            _check_range("max_queue", self.max_queue, int, "int or None", lambda v: 0 <= v <= 2**31,
+                         "0..2**31 requests or None")
         if self.default_timeout is not None:
-            _check_type("default_timeout", self.default_timeout, (int, float), "seconds or None")
-            if not 0 < self.default_timeout <= 86400:
-                raise ValueError(f"default_timeout: expected 0 < seconds <= 86400, got {self.default_timeout}")
+            _check_range("default_timeout", self.default_timeout, (int, float), "seconds or None",
+                         lambda v: 0 < v <= 86400, "0 < seconds <= 86400")
             object.__setattr__(self, "default_timeout", float(self.default_timeout))
-        _check_type("max_restarts", self.max_restarts, int, "int")
-        if self.max_restarts < 0:
-            raise ValueError(f"max_restarts: expected >= 0, got {self.max_restarts}")
+        _check_range("max_restarts", self.max_restarts, int, "int", lambda v: v >= 0, ">= 0")
         for field_name in ("restart_window", "restart_backoff"):
-            value = getattr(self, field_name)
-            _check_type(field_name, value, (int, float), "seconds")
-            if not 0 <= value <= 3600:
-                raise ValueError(f"{field_name}: expected 0..3600 seconds, got {value}")
+            _check_range(field_name, getattr(self, field_name), (int, float), "seconds",
+                         lambda v: 0 <= v <= 3600, "0..3600 seconds")
 
     def _default_graph_sizes(self) -> Tuple[int, ...]:
         step = max(1, self.max_batch_size // 8)
@@ -256,9 +246,8 @@ class RuntimeOptions:
     mps: str = "auto"
 
     def __post_init__(self):
-        _check_type("poll_interval", self.poll_interval, (int, float), "seconds")
-        if not 0.001 <= self.poll_interval <= 60:
-            raise ValueError(f"poll_interval: expected 0.001..60 s, got {self.poll_interval}")
+        _check_range("poll_interval", self.poll_interval, (int, float), "seconds",
+                     lambda v: 0.001 <= v <= 60, "0.001..60 s")
         _check_type("join_timeout", self.join_timeout, (int, float), "seconds")
         _check_type("mps", self.mps, str, f"one of {_MPS_MODES}")
         if self.mps not in _MPS_MODES:

@@ -16,14 +16,7 @@ class SimpleDBIError(Exception):
 
 
 class RemoteTraceback(Exception):
-    """Holds the formatted traceback of an exception raised in another process."""
-
-    def __init__(self, tb: str):
-        super().__init__(tb)
-        self.tb = tb
-
-    def __str__(self) -> str:
-        return self.tb
+    """Holds (as its message) the formatted traceback of an exception raised in another process."""
 
 
 class ModelError(SimpleDBIError):

@@ -10,12 +10,13 @@ scoped to one run.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 
 from .interrupts import ignore_ctrl_c
 from .layout import STOPPING, ControlBlock
-from .mps import PrivateDaemon, wait_exit
+from .mps import PrivateDaemon, pidfds, wait_exit
 from .naming import unregister
 from .shm import sweep_namespace
 
@@ -42,10 +43,9 @@ def janitor_main(namespace: str, conn, grace: float) -> None:
         elif kind == "registration":  # the runtime's name (naming.py)
             registrations.append(msg[1])
         elif kind == "ctl":  # a model's control block: mapped now, while the runtime lives (its
-            try:             # memfd is reached through the runtime's /proc fd table)
+            # memfd is reached through the runtime's /proc fd table)
+            with contextlib.suppress(OSError, RuntimeError, ValueError):
                 ctls.append(ControlBlock.attach(namespace, msg[1], readonly=False))
-            except (OSError, RuntimeError, ValueError):
-                pass
         elif kind == "done":
             break
     if orphaned:
@@ -67,20 +67,13 @@ def janitor_main(namespace: str, conn, grace: float) -> None:
 
 
 def _signal(pid: int, sig: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.kill(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def _wait_all(pids, timeout: float) -> None:
     """Wait until every pid has exited, or the timeout."""
-    fds = {}
-    for pid in pids:
-        try:
-            fds[pid] = os.pidfd_open(pid)
-        except OSError:
-            continue
+    fds = pidfds(pids)
     try:
         wait_exit(fds, timeout)
     finally:

@@ -24,6 +24,7 @@ __all__ = ["RuntimeCollector", "start_metrics_server"]
 # cumulative, so merging internal ones loses nothing but resolution.
 _EXPORT_BOUNDS = LAT_BOUNDS[::2]
 _BATCH_BOUNDS = (1, 2, 4, 8, 16, 32, 64, 128)
+assert _BATCH_BOUNDS[-1] == BATCH_HIST_MAX   # key 0 counts the larger batches: only in +Inf
 
 
 class RuntimeCollector:
@@ -99,13 +100,8 @@ def _latency_buckets(h: Histogram):
 
 
 def _batch_buckets(sizes: dict, rows: int):
-    total = sum(sizes.values())
-    out = []
-    for bound in _BATCH_BOUNDS:
-        out.append((str(bound), sum(v for k, v in sizes.items() if 0 < k <= bound)))
-    assert _BATCH_BOUNDS[-1] == BATCH_HIST_MAX
-    out.append(("+Inf", total))
-    return out, rows
+    out = [(str(bound), sum(v for k, v in sizes.items() if 0 < k <= bound)) for bound in _BATCH_BOUNDS]
+    return out + [("+Inf", sum(sizes.values()))], rows
 
 
 def start_metrics_server(port: int, runtime: Optional[str] = None, *,

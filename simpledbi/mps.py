@@ -25,6 +25,7 @@ match is pinned with a pidfd and checked again, so a pid reused in between is ne
 from __future__ import annotations
 
 import collections
+import contextlib
 import glob
 import logging
 import os
@@ -85,7 +86,7 @@ def visible_gpu_count() -> int:
     return n
 
 
-def _gpu_of(device: str, ordinal: int = 0, gpus: int = 1) -> Optional[str]:
+def _gpu_of(device: str, ordinal: int, gpus: int) -> Optional[str]:
     """The CUDA device a model process with ``device`` lands on, None for the CPU. "cuda" and
     "auto" spread instances over the visible GPUs (engine.resolve_device); "auto" counts as a GPU
     whenever there is one (the parent never imports torch to check: without a GPU the MPS binary
@@ -192,7 +193,8 @@ class PrivateDaemon:
         Idempotent; never raises (it runs on every exit path, the janitor's included)."""
         pinned = {}
         try:
-            pinned = _pin(_our_pids(self.env[PIPE_VAR]), self.env[PIPE_VAR])
+            pipe_dir = self.env[PIPE_VAR]
+            pinned = pidfds(_our_pids(pipe_dir), lambda pid: _is_ours(pid, pipe_dir))
             deadline = time.monotonic() + timeout
             self.command("quit", timeout)
             left = wait_exit(pinned, deadline - time.monotonic())
@@ -200,10 +202,8 @@ class PrivateDaemon:
                 logger.warning("CUDA MPS daemon in %s did not quit within %g s; killing pids %s",
                                self.directory, timeout, sorted(left))
                 for fd in left.values():
-                    try:
+                    with contextlib.suppress(ProcessLookupError):
                         signal.pidfd_send_signal(fd, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
                 wait_exit(left, _KILL_WAIT)
         except Exception:  # noqa: BLE001 - cleanup goes on; say what failed
             logger.exception("stopping the CUDA MPS daemon in %s failed", self.directory)
@@ -249,15 +249,16 @@ def _our_pids(pipe_dir: str) -> List[int]:
             if e.isdigit() and int(e) != os.getpid() and _is_ours(int(e), pipe_dir)]
 
 
-def _pin(pids: List[int], pipe_dir: str) -> Dict[int, int]:
-    """pid -> pidfd of each process still ours once pinned (a reused pid fails the re-check)."""
+def pidfds(pids, keep: Optional[Callable[[int], bool]] = None) -> Dict[int, int]:
+    """pid -> pidfd of each process that exists and, once pinned, passes ``keep`` (checked after
+    the pidfd is open: a pid reused in between fails it)."""
     pinned = {}
     for pid in pids:
         try:
             fd = os.pidfd_open(pid)
         except OSError:
             continue
-        if _is_ours(pid, pipe_dir):
+        if keep is None or keep(pid):
             pinned[pid] = fd
         else:
             os.close(fd)

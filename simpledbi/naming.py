@@ -1,12 +1,11 @@
 """Named runtimes: how a process simpledbi did not start finds a running runtime by name.
 
 A runtime started with ``name="myapp"`` (``simpledbi serve --name myapp``, ``Runtime(models,
-name="myapp")``) writes one small *registration* file, ``sdbi_rt_myapp`` (mode 0600), into its
-user's private *registry directory*; it says which namespace (shm.py) the runtime serves in::
+name="myapp")``) writes a *registration* file ``sdbi_rt_myapp`` (mode 0600) into its user's
+private *registry directory*, naming the namespace (shm.py) it serves in -- which keeps its
+unguessable random part: the registration is the only stable name::
 
     {"namespace": "sdbi_4242_9f...", "pid": 4242, "models": ["resnet50"], "started": 1.7e9}
-
-The namespace itself keeps its unguessable random part; the registration is the only stable name.
 
 NOTE [registry directory]
 -------------------------
@@ -20,47 +19,41 @@ Where a runtime registers (``registry_dir``, the same checks in every process)::
         v
     ~/.cache/simpledbi/run-<hostname>  (each level made 0700 if missing), else PermissionError
 
-Lookups (``read``, ``resolve``, ``list_registrations``, the sweep) search *both* directories of
-that chain, /dev/shm first, skipping one that fails the checks, and create nothing
-(``lookup_dirs``); with ``$SIMPLEDBI_DIR`` set they search it alone.
+Lookups (``lookup_dirs``: ``read``, ``resolve``, ``list_registrations``, the sweep) create
+nothing and search *both* directories of that chain, /dev/shm first, skipping one that fails the
+checks (with ``$SIMPLEDBI_DIR`` set, it alone). They do not re-derive the runtime's choice, which
+depends on what it found when it started: else another user who deletes their squatting
+directory after a runtime fell back to the home directory would steer every later client to
+/dev/shm, away from a running runtime. A registration counts wherever its directory passes.
 
-Why so. /dev/shm is world-writable, so any fixed name there -- the old ``/dev/shm/sdbi_rt_<name>``
-as much as ``sdbi_u<uid>`` -- can be created first by another user, who thereby kept a runtime
-from starting. A directory only we can write settles everything inside it: another user can
-neither list it, open a file in it, nor create, replace or block a registration there. What is
-left to defend is the directory's own name. In /dev/shm we claim it with ``mkdir``; the sticky
-bit keeps anyone else from renaming or removing it once it is ours. If someone took the name
-first we do not fight over it: nobody else can create anything in our home, so the fallback
-there cannot be taken. The directory is never removed (an empty one costs nothing; a removed one
-could be taken). The old place, ``/dev/shm/sdbi_rt_<name>``, is neither written nor read: a
-runtime and its clients must both be of a version that uses the registry directory.
+Why so. /dev/shm is world-writable: another user can create any fixed name there first (the old
+``/dev/shm/sdbi_rt_<name>`` as much as ``sdbi_u<uid>``) and keep a runtime from starting. In a
+directory only we can write, nobody else can list, open, create, replace or block anything; what
+is left to defend is the directory's own name. In /dev/shm we claim it with ``mkdir``, and the
+sticky bit keeps others from renaming or removing it. If someone took it first we do not fight:
+nobody else can create anything in our home, so the fallback cannot be taken. The directory is
+never removed (an empty one costs nothing; a removed one could be taken). The old place is
+neither written nor read: a runtime and its clients must both use the registry directory.
 
-Lookups search both places instead of re-deriving the runtime's choice: the choice depends on
-what the runtime found when it started. Had clients followed the same rule, another user who
-deletes their squatting directory after a runtime fell back to the home directory would steer
-every later client to /dev/shm, away from a runtime that is running. A registration counts
-wherever it is, as long as its directory passes the checks.
+``$XDG_RUNTIME_DIR`` is deliberately not used: processes of one user disagree about it (set in a
+login session, unset under sudo, cron, ``docker exec`` or a service with ``User=``), and
+``/run/user/<uid>`` is removed at the user's last logout while a nohup'ed runtime keeps running.
+``/dev/shm/sdbi_u<uid>`` depends on the uid alone; the fallback on the home directory and the host
+name (a home shared over NFS serves several hosts, and a pid means something only on its host).
 
-``$XDG_RUNTIME_DIR`` (the usual place for such files) is deliberately not used: processes of one
-user disagree about it -- set in a login session, unset under sudo, cron, ``docker exec`` or a
-system service with ``User=`` -- so a runtime started one way and a client started another would
-look in different places, and ``/run/user/<uid>`` is removed at the user's last logout while a
-nohup'ed runtime keeps running. ``/dev/shm/sdbi_u<uid>`` depends on the uid alone; the fallback
-on the home directory and the host name (a home shared over NFS serves several hosts, and a pid
-means something only on its own host).
+A directory counts (``_why_not_private``) when ``lstat`` says it is a directory (a symlink is
+never followed, a FIFO never opened) of our uid with no group or other permission bits, whose
+parent is ours or root's and, if others can write it, sticky (else another user could rename
+ours away and block the name). What we create is ``fchmod``-ed to 0700 after ``mkdir``: a
+default ACL must not open it to others, nor a umask of 07xx close it to us.
 
-A directory counts (``_why_not_private``) when ``lstat`` says it is a directory -- not a symlink,
-which is never followed; not a FIFO, which is never opened -- of our uid with no group or other
-permission bits, whose parent is ours or root's and, if others can write it, sticky (else another
-user could rename ours away and block the name). What we create is ``fchmod``-ed to 0700 after
-``mkdir``: a default ACL must not open it to others, nor a umask of 07xx close it to us.
-
-Clients trust a registration only when it is a regular file of their own user. A registration
-whose pid is gone is stale: the next runtime of that name replaces it, and
-``sweep_dead_registrations`` removes it. Only the runtime that wrote it removes it (or its janitor).
+Clients trust a registration only when it is a regular file of their own user. One whose pid is
+gone is stale: the next runtime of that name replaces it, and ``sweep_dead_registrations``
+removes it. Only the runtime that wrote it removes it (or its janitor).
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
@@ -271,7 +264,7 @@ def read(name: str, live: bool = False) -> Optional[Registration]:
 
 
 def resolve(name: str) -> Optional[Registration]:
-    """The live runtime called ``name`` (in any of ``lookup_dirs()``), or None."""
+    """The live runtime called ``name``, or None."""
     return read(name, live=True)
 
 
@@ -312,7 +305,7 @@ def register(name: str, namespace: str, models: Sequence[str]) -> str:
     here = os.path.dirname(path)
     for other in lookup_dirs():
         if other != here:   # here: the loop below
-            _refuse_if_live(_read(name, other), name)
+            refuse_if_live(_read(name, other), name)
     body = json.dumps({"namespace": namespace, "pid": os.getpid(), "models": list(models),
                        "started": time.time()}).encode()
     for _ in range(8):
@@ -328,11 +321,12 @@ def register(name: str, namespace: str, models: Sequence[str]) -> str:
                 raise PermissionError(errno.EACCES, f"the runtime name {name!r} is taken by "
                                       f"another user (uid {owner}, {path})")
             old = _read(name, here)
-            _refuse_if_live(old, name)
+            refuse_if_live(old, name)
             if old is None and _young(path):
                 time.sleep(0.05)  # another runtime is writing it right now
                 continue
-            _unlink(path)  # stale: its runtime died without removing it
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)  # stale: its runtime died without removing it
             continue
         try:
             os.fchmod(fd, 0o600)   # whatever the umask: clients of our user must read it
@@ -343,7 +337,7 @@ def register(name: str, namespace: str, models: Sequence[str]) -> str:
     raise RuntimeError(f"could not register the runtime name {name!r} ({path})")
 
 
-def _refuse_if_live(reg: Optional[Registration], name: str) -> None:
+def refuse_if_live(reg: Optional[Registration], name: str) -> None:
     if reg is not None and _live(reg):
         raise RuntimeError(f"a simpledbi runtime named {name!r} is already running "
                            f"(pid {reg.pid}); stop it or choose another name")
@@ -354,7 +348,8 @@ def unregister(path: str, namespace: str) -> None:
     name = os.path.basename(path)[len(REG_PREFIX):]
     reg = _read(name, os.path.dirname(path)) if NAME_RE.match(name) else None
     if reg is not None and reg.namespace == namespace:
-        _unlink(path)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
 
 
 def list_registrations() -> List[Registration]:
@@ -390,10 +385,9 @@ def _all() -> List[tuple]:
         except OSError:
             continue
         for e in entries:
-            if e.startswith(REG_PREFIX) and NAME_RE.match(e[len(REG_PREFIX):]):
-                reg = _read(e[len(REG_PREFIX):], d)
-                if reg is not None:
-                    out.append((d, reg))
+            name = e[len(REG_PREFIX):]
+            if e.startswith(REG_PREFIX) and NAME_RE.match(name) and (reg := _read(name, d)) is not None:
+                out.append((d, reg))
     return out
 
 
@@ -402,10 +396,3 @@ def _young(path: str) -> bool:
         return time.time() - os.stat(path, follow_symlinks=False).st_mtime < 2.0
     except OSError:
         return False
-
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass

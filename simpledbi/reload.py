@@ -3,6 +3,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -21,7 +22,6 @@ logger = logging.getLogger("simpledbi.runtime")
 class Reloads:
     """``Runtime.reload`` (a mixin of Runtime)."""
 
-    # ------------------------------------------------------------ rolling reload
     def reload(self, model: str, path: Optional[str] = None, timeout: float = 60.0) -> ModelConfig:
         """Replace the processes of ``model`` (with the model at ``path`` -- a file, or a factory
         by import path ``"module:function"`` -- else the same source loaded again) without failing
@@ -42,10 +42,8 @@ class Reloads:
             if path is not None:   # a model file, or a factory by import path "module:function"
                 try:
                     kind, source = sources.resolve(os.fspath(path))
-                except FileNotFoundError as e:
-                    raise FileNotFoundError(f"reload {model!r}: {e}") from None
-                except ValueError as e:
-                    raise ValueError(f"reload {model!r}: {e}") from None
+                except (FileNotFoundError, ValueError) as e:
+                    raise type(e)(f"reload {model!r}: {e}") from None
                 if kind == "path":
                     cfg = dataclasses.replace(cfg, path=source, factory=None)
                 else:
@@ -120,10 +118,8 @@ class Reloads:
             ctl.all_instances[m.row]["state"] = INST_RETIRING
         ctl.all_instances[m.row]["free"] = 0
         self._retired.append(m)
-        try:
+        with contextlib.suppress(OSError):
             os.write(self._wake_w, b"r")  # the supervisor watches its exit from now on
-        except OSError:
-            pass
 
     def _forget(self, m: _ModelProc) -> None:
         """A process that exited and was handled: release its pipe and handle (a long-lived
@@ -132,9 +128,7 @@ class Reloads:
             if m in self._retired:
                 self._retired.remove(m)
         self._tell_janitor("gone", m.proc.pid)
-        try:
+        with contextlib.suppress(OSError, ValueError):
             if not m.conn.closed:
                 m.conn.close()
             m.proc.close()
-        except (OSError, ValueError):
-            pass

@@ -2,24 +2,23 @@
 
 Process tree of one run::
 
-    main (Run / Runtime)                 supervisor thread: restarts (this module)
+    main (Run / Runtime)                 supervisor thread: restarts (supervisor.py)
      +-- janitor                        cleans /dev/shm if main dies (janitor.py)
      +-- (nvidia-cuda-mps-control -d)   a private CUDA MPS daemon, when wanted (mps.py)
      +-- model "a" instance 0..n-1       model_process.py
      +-- model "b" instance 0..m-1
      +-- worker 0..worker_num-1          worker.py -> your target(rank, *args, **kwargs)
 
-The supervisor thread (supervisor.py) sees a model process die within milliseconds, answers the
-requests it held with ``ModelProcessDied`` and restarts it with back-off while the other
-instances keep serving; after ``ModelConfig.max_restarts`` failures within ``restart_window``
-seconds the model is marked broken, and only then does ``Run`` raise. Shutdown is ordered and
-idempotent: refuse new requests -> stop workers -> wake and stop model processes -> join with
-timeout -> terminate -> kill -> answer what is left queued -> close views -> remove the namespace.
+A model process that dies is restarted while the other instances serve (supervisor.py); only a
+model marked broken makes ``Run`` raise. Shutdown is ordered and idempotent: refuse new requests
+-> stop workers -> wake and stop model processes -> join with timeout -> terminate -> kill ->
+answer what is left queued -> close views -> remove the namespace.
 """
 from __future__ import annotations
 
 import atexit
 import collections
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -82,8 +81,7 @@ class Runtime(Supervision, Reloads, Workers):
         self.instances: Dict[Tuple[str, int], _ModelProc] = {}   # current incarnations
         self.worker_procs: Dict[int, Any] = {}
         self._cpu_procs = 1
-        self._janitor = None
-        self._janitor_conn = None
+        self._janitor = self._janitor_conn = None
         self._janitor_lock = threading.Lock()
         self._logs: Optional[LogRelay] = None
         #: What was done about CUDA MPS: managed (a private daemon), skipped (and why) or off.
@@ -101,8 +99,7 @@ class Runtime(Supervision, Reloads, Workers):
         self._reload_lock = threading.Lock()
         self.broken: Dict[str, str] = {}
         self._input_names: Dict[str, Tuple[str, ...]] = {}   # per model, from its first "ready"
-        self._started = False
-        self._closed = False
+        self._started = self._closed = False
 
     @property
     def model_procs(self) -> List[_ModelProc]:
@@ -189,10 +186,8 @@ class Runtime(Supervision, Reloads, Workers):
     def _tell_janitor(self, *msg) -> None:
         with self._janitor_lock:
             if self._janitor_conn is not None:
-                try:
+                with contextlib.suppress(OSError):
                     self._janitor_conn.send(msg)
-                except OSError:
-                    pass
 
     def _spawn_model(self, cfg: ModelConfig, instance: int, row: Optional[int] = None,
                      standby: bool = False) -> _ModelProc:
@@ -293,11 +288,9 @@ class Runtime(Supervision, Reloads, Workers):
         n = 0
         for name, ctl in self.ctls.items():
             n += int(ctl.all_instances["held"].sum())
-            try:
+            with contextlib.suppress(OSError):
                 self.sockets[name].recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
                 n += 1
-            except OSError:
-                pass
         return n
 
     def _unregister(self) -> None:

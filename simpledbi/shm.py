@@ -20,6 +20,7 @@ attaching process exits (CPython #82300/#104291); and it cannot be sealed.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import logging
@@ -28,7 +29,7 @@ import os
 import re
 import secrets
 import time
-from typing import Optional, Tuple
+from typing import Optional
 
 import numpy as np
 
@@ -115,26 +116,16 @@ class Segment:
         count = int(np.prod(shape, dtype=np.int64)) if len(shape) else 1
         return np.frombuffer(self.buf, dtype=dtype, count=count, offset=offset).reshape(shape)
 
-    def grow(self, size: int) -> None:
-        """Extend the memfd (a client slot) and remap it; views made before must be dropped."""
-        if size > self.size:
-            os.ftruncate(self.fd, size)
-            self._replace_mapping(size)
-
     def map_at_least(self, size: int) -> None:
         """Map ``size`` bytes of the memfd (at least as many as now): the new mapping is made
         before the old one goes, so a failure (a size the address space cannot hold) leaves the
-        old one in place."""
-        if size > self.size:
-            self._replace_mapping(size)
-
-    def _replace_mapping(self, size: int) -> None:
+        old one in place. Views made before must be dropped."""
+        if size <= self.size:
+            return
         new = mmap.mmap(self.fd, size, access=mmap.ACCESS_READ if self.readonly else mmap.ACCESS_WRITE)
         old, self._mmap, self.size = self._mmap, new, size
-        try:
+        with contextlib.suppress(BufferError):  # a view of the old mapping lives: so does it, until dropped
             old.close()
-        except BufferError:
-            pass  # someone still holds a view of the old mapping: it lives until they drop it
 
     def close(self) -> None:
         if self._mmap is not None:
@@ -186,59 +177,41 @@ def check_sealed(fd: int, what: str) -> int:
     return size
 
 
-def _open_parent(path: str) -> Tuple[Optional[int], str]:
-    """A descriptor on ``path``'s directory -- refused if that directory is a symlink (a client
-    that swaps the namespace directory for a link must not make the runtime delete elsewhere) --
-    and the last component."""
-    parent, name = os.path.split(path)
-    try:
-        return os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC), name
-    except OSError as e:
-        logger.debug("not removing %s: %s", path, e)
-        return None, name
-
-
-def _is_directory_left(pfd: int, name: str, path: str) -> bool:
-    """Unlink ``name`` in the directory open at ``pfd``; True if it is a directory instead
-    (unlink refuses those), False once nothing is left there or it cannot be removed."""
-    try:
-        os.unlink(name, dir_fd=pfd)
-        return False
-    except FileNotFoundError:
-        return False
-    except OSError as e:
-        if e.errno in (errno.EISDIR, errno.EPERM):
-            return True
-        logger.debug("could not remove %s: %s", path, e)
-        return False
+_O_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 def remove_tree(path: str, budget: float = 5.0) -> None:
     """Remove ``path`` and, if it is a directory, everything in it. Never raises, never follows a
-    symlink (``path``'s own directory included), and never recurses: a client can nest
+    symlink (``path``'s own directory included: a client that swaps the namespace directory for a
+    link must not make the runtime delete elsewhere), and never recurses: a client can nest
     directories deeper than Python's recursion limit (``shutil.rmtree`` then raises
     RecursionError) or than PATH_MAX. A non-empty subdirectory's own subdirectories are moved up
     into the top directory first, so no more than two directories are open at any time and the
     work is linear in the number of entries; a client that keeps adding entries is given up on
     after ``budget`` seconds (logged)."""
-    pfd, base = _open_parent(path)
-    if pfd is None:
+    parent, base = os.path.split(path)
+    try:
+        pfd = os.open(parent, _O_DIR)
+    except OSError as e:
+        logger.debug("not removing %s: %s", path, e)
         return
     try:
-        if not _is_directory_left(pfd, base, path):
-            return
         try:
-            top = os.open(base, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=pfd)
-        except OSError as e:
-            logger.debug("could not remove %s: %s", path, e)
+            os.unlink(base, dir_fd=pfd)
             return
+        except FileNotFoundError:
+            return
+        except OSError as e:
+            if e.errno not in (errno.EISDIR, errno.EPERM):   # EISDIR, EPERM: a directory
+                raise
+        top = os.open(base, _O_DIR, dir_fd=pfd)
         try:
             _empty(top, path, time.monotonic() + budget)
-            os.rmdir(base, dir_fd=pfd)
-        except OSError as e:
-            logger.debug("could not remove %s: %s", path, e)
         finally:
             os.close(top)
+        os.rmdir(base, dir_fd=pfd)
+    except OSError as e:
+        logger.debug("could not remove %s: %s", path, e)
     finally:
         os.close(pfd)
 
@@ -255,31 +228,27 @@ def _empty(top: int, path: str, deadline: float) -> None:
             try:
                 if not is_dir:
                     os.unlink(name, dir_fd=top)
-                    progress = True
-                    continue
-                try:
-                    os.rmdir(name, dir_fd=top)
-                    progress = True
-                    continue
-                except OSError as e:
-                    if e.errno != errno.ENOTEMPTY:
-                        raise
-                sub = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
-                              dir_fd=top)
-                try:
-                    for n2, d2 in _entries(sub, deadline):
-                        if time.monotonic() > deadline:
-                            break
-                        if d2:
-                            moved += 1
-                            os.rename(n2, f".rm{moved}_{secrets.token_hex(4)}", src_dir_fd=sub,
-                                      dst_dir_fd=top)
-                        else:
-                            os.unlink(n2, dir_fd=sub)
-                        progress = True
-                finally:
-                    os.close(sub)
-                os.rmdir(name, dir_fd=top)
+                else:
+                    try:
+                        os.rmdir(name, dir_fd=top)
+                    except OSError as e:
+                        if e.errno != errno.ENOTEMPTY:
+                            raise
+                        sub = os.open(name, _O_DIR, dir_fd=top)
+                        try:
+                            for n2, d2 in _entries(sub, deadline):
+                                if time.monotonic() > deadline:
+                                    break
+                                if d2:
+                                    moved += 1
+                                    os.rename(n2, f".rm{moved}_{secrets.token_hex(4)}", src_dir_fd=sub,
+                                              dst_dir_fd=top)
+                                else:
+                                    os.unlink(n2, dir_fd=sub)
+                                progress = True
+                        finally:
+                            os.close(sub)
+                        os.rmdir(name, dir_fd=top)
                 progress = True
             except FileNotFoundError:
                 progress = True
@@ -333,13 +302,11 @@ def sweep_dead_namespaces() -> int:
         entries = os.listdir(SHM_DIR)
     except OSError:
         return 0
-    spaces = set()
+    removed = 0
     for ns in entries:
         m = _NS_RE.match(ns)
-        if m and not pid_alive(int(m.group(1))):
-            spaces.add(ns)
-    removed = 0
-    for ns in spaces:
+        if not m or pid_alive(int(m.group(1))):
+            continue
         try:   # what a dead run's clients left there must not stop a new run from starting
             removed += sweep_namespace(ns)
         except Exception:  # noqa: BLE001

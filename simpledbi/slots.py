@@ -46,6 +46,7 @@ Why it cannot cross, lose or wedge:
 from __future__ import annotations
 
 import array
+import contextlib
 import math
 import os
 import secrets
@@ -54,6 +55,7 @@ import struct
 import threading
 import time
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -65,7 +67,7 @@ from .layout import (
     REQ_PREFIX, RESP_OFF, RESP_SEQ_OFF, RESP_WORD, RESPONSE, SEG_MAGIC_OFF,
     ST_BAD_REQUEST, ST_OK, TICKETS, TICKETS_OFF, MAGIC, ABANDON_OFF, align, code_dtype, dtype_code, shape_key,
 )
-from .shm import Segment, check_sealed
+from .shm import Segment, check_sealed, pid_alive
 
 _I64, _F64 = struct.Struct("<q"), struct.Struct("<d")
 _memmove = __import__("ctypes").memmove
@@ -118,7 +120,6 @@ class ClientSlot:
         self.seg = Segment.create_memfd("sdbi-slot", size + 4096, grow=True)
         self._map_views()
         _Q2.pack_into(self.seg.buf, SEG_MAGIC_OFF, MAGIC, self.token)
-        self._done = self._base + DONE_OFF
         for k in range(TICKETS):
             futex.ticket_init(self._base + TICKETS_OFF + 4 * k)
         self._waiter = futex.Waiter()
@@ -138,8 +139,7 @@ class ClientSlot:
         self._resp_seq = seg.ndarray(RESP_SEQ_OFF, np.int64, (1,))
         self._in_views: dict = {}
         self._out_views: dict = {}
-        if hasattr(self, "_done"):
-            self._done = self._base + DONE_OFF
+        self._done = self._base + DONE_OFF
 
     def _drop_views(self) -> None:
         self._u8 = self._resp_seq = None
@@ -171,8 +171,7 @@ class ClientSlot:
             layout = self._layouts[key] = self._layout(names, positions, items)
         self.seq += 1
         seq, now = self.seq, time.monotonic()
-        buf = self.seg.buf
-        _I64.pack_into(buf, PUB_SEQ_OFF, seq)
+        _I64.pack_into(self.seg.buf, PUB_SEQ_OFF, seq)
         futex.offer(self._ticket)
         self._msg = msg = self._prefix_bytes(seq, arrays[0].shape[0], now, deadline, priority) + layout
         self.send(msg)
@@ -185,9 +184,8 @@ class ClientSlot:
         return bytes(p)
 
     def send(self, msg: bytes, block: bool = False) -> None:
-        """One datagram to the model's socket: at once if its queue has room (the common case),
-        else (``block``) waiting up to the socket's send timeout (a kernel wait; BlockingIOError
-        after it). Non-blocking first: ``BlockingIOError`` tells the caller to wait."""
+        """One datagram to the model's socket. BlockingIOError when its queue is full -- at once,
+        or (``block``) after the socket's send timeout (a kernel wait)."""
         flags = 0 if block else socket.MSG_DONTWAIT
         if self._anc is None:
             self.sock.send(msg, flags)
@@ -236,7 +234,6 @@ class ClientSlot:
 
     def settled(self) -> bool:
         """A stale slot may be lent again: its late answer arrived, or its claimer is dead."""
-        from .shm import pid_alive
         if self.answered(self.stale_seq):
             return True
         claim = self.claimed_by(self.stale_seq)
@@ -324,11 +321,9 @@ class ClientSlot:
             seg, self.seg = self.seg, None
         if seg is None:
             return
-        try:
+        with contextlib.suppress(ValueError):
             _I64.pack_into(seg.buf, CLOSED_OFF, 1)
             futex.take(self._ticket)
-        except ValueError:
-            pass
         self._drop_views()
         seg.close()
 
@@ -391,38 +386,14 @@ class Request:
     layout_raw: bytes = b""                       # its datagram's layout bytes (a hand-back)
     held: int = -1                                # its HELD row in the control block
 
-    @property
-    def pid(self) -> int:
-        """Its client process (the kernel's word): the unit of fair turns."""
-        return self.peer.pid
-
-    @property
-    def items(self):
-        return self.layout.items
-
-    @property
-    def dtypes(self):
-        return self.layout.dtypes
-
-    @property
-    def offsets(self):
-        return self.layout.offsets
-
-    @property
-    def out_offset(self):
-        return self.layout.out_offset
-
-    @property
-    def key(self):
-        return self.layout.key
-
-    @property
-    def kind(self):
-        return self.layout.kind
-
-    @property
-    def names(self):
-        return self.layout.names
+    pid = property(attrgetter("peer.pid"))   # its client (the kernel's word): the unit of fair turns
+    items = property(attrgetter("layout.items"))
+    dtypes = property(attrgetter("layout.dtypes"))
+    offsets = property(attrgetter("layout.offsets"))
+    out_offset = property(attrgetter("layout.out_offset"))
+    key = property(attrgetter("layout.key"))
+    kind = property(attrgetter("layout.kind"))
+    names = property(attrgetter("layout.names"))
 
 
 class Peer:
@@ -629,7 +600,7 @@ def parse_layout(raw: bytes, limits: Limits) -> Layout:
     if not (out_offset >= DATA_OFFSET and out_offset % 64 == 0):
         raise BadRequest(f"output offset {out_offset} is outside the slot's data")
     pos = LAYOUT_HEAD.size
-    items, dtypes, offsets, per_row = [], [], [], []
+    inputs = []
     for k in range(n_in):
         if len(raw) < pos + INPUT_HEAD.size:
             raise BadRequest("the request datagram is cut short")
@@ -651,15 +622,13 @@ def parse_layout(raw: bytes, limits: Limits) -> Layout:
         b = math.prod(dims) * dt.itemsize
         if b > limits.max_request_bytes or not (off >= DATA_OFFSET and off % 64 == 0):
             raise BadRequest(f"input {k}: {b} bytes a row at offset {off} do not fit a slot")
-        items.append(tuple(dims))
-        dtypes.append(dt)
-        offsets.append(off)
-        per_row.append(b)
+        inputs.append((dims, dt, off, b))
     if pos != len(raw):
         raise BadRequest(f"the request datagram has {len(raw) - pos} bytes too many")
+    items, dtypes, offsets, per_row = zip(*inputs)   # tuples
     key = shape_key([dtype_code(d) for d in dtypes], items, flags)
-    return Layout(out_offset, tuple(items), tuple(dtypes), tuple(offsets), tuple(per_row),
-                  tuple(zip(offsets, per_row)), names, key, (tuple(dtypes), tuple(items), flags))
+    return Layout(out_offset, items, dtypes, offsets, per_row, tuple(zip(offsets, per_row)), names, key,
+                  (dtypes, items, flags))
 
 
 def check_size(layout: Layout, rows: int, size: int, limits: Limits) -> Tuple[int, ...]:

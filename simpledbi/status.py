@@ -131,7 +131,11 @@ def inspect(runtime: Optional[str] = None, *, namespace: Optional[str] = None) -
         namespace, pid = reg.namespace, reg.pid
         model_names = list(reg.models)
     else:
-        pid, model_names = 0, sorted(e[:-4] for e in _listdir(namespace) if e.endswith(".ctl"))
+        try:
+            entries = os.listdir(os.path.join(SHM_DIR, namespace))
+        except OSError:
+            raise LookupError(f"no simpledbi runtime at namespace {namespace!r}") from None
+        pid, model_names = 0, sorted(e[:-4] for e in entries if e.endswith(".ctl"))
     models = []
     for m in model_names:
         try:
@@ -155,13 +159,6 @@ def _only_runtime() -> str:
                           "--name NAME ...`)")
     raise LookupError(f"several simpledbi runtimes are running ({', '.join(r.name for r in regs)}): "
                       f"name one")
-
-
-def _listdir(namespace: str) -> List[str]:
-    try:
-        return os.listdir(os.path.join(SHM_DIR, namespace))
-    except OSError:
-        raise LookupError(f"no simpledbi runtime at namespace {namespace!r}") from None
 
 
 def _model_info(name: str, ctl: ControlBlock) -> ModelInfo:

@@ -1,9 +1,11 @@
 """Supervision of a runtime's model processes: deaths seen within milliseconds (a thread on
-their sentinels), what a dead process held answered at once, restarts with back-off, models
-marked broken. A part of :class:`simpledbi.runtime.Runtime` (its state), in a module of its own.
+their sentinels), what a dead process held answered at once (``ModelProcessDied``), restarts
+with back-off, and after ``ModelConfig.max_restarts`` failures within ``restart_window`` seconds
+the model marked broken. A part of :class:`simpledbi.runtime.Runtime` (its state).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -27,21 +29,17 @@ class _ModelProc:
         self.exit_handled = False
         self.retiring = False    # replaced by a rolling reload: its exit is expected
 
-    def how(self) -> str:
-        return exit_how(self.proc.exitcode)
-
     def describe(self) -> str:
-        return f"model {self.cfg.name!r} process {self.instance} (pid {self.proc.pid}) died with {self.how()}"
+        return (f"model {self.cfg.name!r} process {self.instance} (pid {self.proc.pid}) died with "
+                f"{exit_how(self.proc.exitcode)}")
 
 
 def exit_how(code) -> str:
     """``exit code N``, and the signal's name when a signal ended the process."""
     how = f"exit code {code}"
     if code is not None and code < 0:
-        try:
+        with contextlib.suppress(ValueError):
             how += f" ({signal.Signals(-code).name})"
-        except ValueError:
-            pass
     return how
 
 
@@ -56,7 +54,6 @@ def _exited(m: _ModelProc) -> bool:
 class Supervision:
     """The supervisor thread's work (a mixin of Runtime)."""
 
-    # ------------------------------------------------------------ supervision
     def _supervise_models(self) -> None:
         """The supervisor thread: restarts and broken models. Never raises."""
         while not self._stop.is_set():
@@ -115,10 +112,8 @@ class Supervision:
             return
         text = m.describe() + (" while loading" if m.loading else "")
         if not m.loading:
-            try:
+            with contextlib.suppress(OSError):
                 m.conn.close()
-            except OSError:
-                pass
         row = ctl.all_instances[m.row]
         row["free"] = 0        # a dead process is not an idle peer,
         row["queued"] = 0      # and what it held is answered below: nothing waits there
@@ -166,7 +161,7 @@ class Supervision:
         ctl = self.ctls[name]
         n = answer_held(ctl, m.row, m.proc.pid, ST_DIED,
                         f"model process {m.instance} (pid {m.proc.pid}) died while computing this "
-                        f"request ({m.how()}; it may or may not have run)")
+                        f"request ({exit_how(m.proc.exitcode)}; it may or may not have run)")
         ctl.all_instances[m.row]["held"] = 0
         if n:
             logger.debug("answered %d request(s) that %s held", n, m.describe())
