@@ -47,6 +47,9 @@ CONTROL = "nvidia-cuda-mps-control"
 PIPE_VAR, LOG_VAR = "CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY"
 SYSTEM_PIPE_DIR = "/tmp/nvidia-mps"   # where clients look when CUDA_MPS_PIPE_DIRECTORY is unset
 ANSWER_TIMEOUT = 5.0                  # seconds a fresh daemon has to answer get_server_list
+#: After SIGKILL, how long to wait for the daemon's processes to be gone: the kernel reaps a
+#: killed process in milliseconds, unless it is in an uninterruptible GPU call -- past this the
+#: runtime stops anyway (its own exit does not depend on the daemon's).
 _KILL_WAIT = 5.0
 
 
