@@ -44,14 +44,12 @@ class BadModelOutput(Exception):
 class Gather:
     """What one batch reads: ``sources[k][r] = (address, offset, nbytes, dma)`` is request r's
     rows of input k in its client's slot, mapped at ``address`` (``dma``: the same address when
-    the slot is registered for DMA, else 0). ``short``: requests whose rows could not be read in
-    full (none, since slots cannot shrink)."""
+    the slot is registered for DMA, else 0)."""
 
     rows: int
     items: Tuple[Tuple[int, ...], ...]
     dtypes: Tuple[np.dtype, ...]
     sources: List[List[Tuple[int, int, int, int]]]
-    short: set = field(default_factory=set)
     names: Optional[Tuple[str, ...]] = None   # keyword inputs: the model is called with these names
 
 

@@ -104,10 +104,6 @@ class GraphsAndSizes:
                             "the serving thread)", self.cfg.name, _describe(sig), n, seconds * 1e3)
         self.graph_total = sum(len(g) for g in self._graphs.values())
 
-    @property
-    def graph_count(self) -> int:
-        return self.graph_total
-
     def _eager_rows(self, sig, rows: int, bs, staged) -> int:
         """How many rows to run an eager batch of ``rows`` with: itself if this process ran that
         size before (or no larger one), else the smallest larger size it ran, padded."""

@@ -206,7 +206,7 @@ class ModelServer(Holding):
                     logger.warning("%s CUDA graph capture failed; running eagerly", self.tag,
                                    exc_info=True)
         self._last_maintenance = time.monotonic()
-        inst["graphs"] = self._graphs_shown = self.engine.graph_count
+        inst["graphs"] = self._graphs_shown = self.engine.graph_total
         if inst["state"] != INST_RETIRING:  # replaced by a reload while loading: it stays retiring
             inst["state"] = INST_READY
 
@@ -513,7 +513,7 @@ class ModelServer(Holding):
             self.answers.failure(batch, error, t_close)
             count()
         else:
-            self.answers.batch(batch, result, t_close, total, flight.gather.short, count)
+            self.answers.batch(batch, result, t_close, total, count)
         if self.backlog.repeats and not self.engine.cuda:
             self._expect_returns(batch)
         # what the callers do not wait for: the batch's times, histograms and cost sample
