@@ -156,9 +156,7 @@ class ModelServer(Holding):
         self.costs = batching.CostModel()
         self.arrivals = batching.RateMeter()
         self.turnaround = batching.Ema()   # seconds from an answer to that client's next request
-        dtypes = None
-        if cfg.input_shapes and cfg.input_dtypes:
-            dtypes = tuple(np.dtype(d) for d in cfg.input_dtypes)
+        dtypes = tuple(np.dtype(d) for d in cfg.input_dtypes) if cfg.input_shapes and cfg.input_dtypes else None
         limits = Limits(self.max_batch, len(cfg.input_shapes) if cfg.input_shapes else None, dtypes,
                         names=self.engine.input_names)
         self.intake = Intake(sock, self.ctl, self.me, limits, cfg.max_clients,
@@ -171,8 +169,8 @@ class ModelServer(Holding):
         self.answers = Answers(self.tag, self.me, self.engine, self._gather, self._release,
                                self.acct.add, cfg.isolate_errors)
         # taken, not batched yet (another kind / no room), and the refusals past capacity
-        self.admission = Admission(self.ctl, self.me, OverloadLimits(cfg.max_queue, cfg.default_timeout),
-                                   self.answers.fail, self.acct.add)
+        self.admission = Admission(self.ctl, self.me, OverloadLimits(cfg.max_queue), self.answers.fail,
+                                   self.acct.add)
         self.backlog = self.admission.backlog
         self._open: Dict[int, Request] = {}    # id -> every request taken and not answered yet
         self._accounting_failed = False

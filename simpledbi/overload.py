@@ -71,8 +71,7 @@ REASONS = ("deadline", "queue")
 class Limits:
     """What a model's overload policy is configured with (``ModelConfig``)."""
 
-    max_queue: Optional[int] = None          # requests waiting across the model's processes
-    default_timeout: Optional[float] = None  # seconds, for calls that give none
+    max_queue: Optional[int] = None   # requests waiting across the model's processes
 
 
 @dataclass(frozen=True)
