@@ -61,17 +61,8 @@ class Admission:
         peer would take. (Measured, ResNet-50 at 2x on an H100, run 35: refusals within 1 ms went
         from 0.4-2.7% to 4-10%; most still come tens of ms after the call, from requests that
         waited in the socket's queue or blocked sending to it.)"""
-        if self.look_ahead:
-            return True
-        if not self.deadlines_seen:
-            return False
-        w, least = self._all, None
-        for r in self.ctl.active_rows():
-            if r != self.row and w[r * _ROW_WORDS + _STATE] == INST_READY:
-                q = w[r * _ROW_WORDS + _QUEUED]
-                if least is None or q < least:
-                    least = q
-        return len(self.backlog) < (least or 0) + limit
+        return self.look_ahead or (self.deadlines_seen and
+                                   len(self.backlog) < min(self._peer_queues(), default=0) + limit)
 
     def take(self, req: Request) -> bool:
         """A request arrived: True to keep it (the caller batches it or adds it to the backlog),
@@ -114,11 +105,13 @@ class Admission:
     def waiting(self) -> int:
         """Requests waiting across the model's serving processes -- taken, and beyond what the
         batch being collected has room for: mine exactly, the others' as they last published."""
-        w, n = self._all, max(len(self.backlog) - self.room, 0)
-        for r in self.ctl.active_rows():
-            if r != self.row and w[r * _ROW_WORDS + _STATE] == INST_READY:
-                n += w[r * _ROW_WORDS + _QUEUED]
-        return n
+        return max(len(self.backlog) - self.room, 0) + sum(self._peer_queues())
+
+    def _peer_queues(self) -> List[int]:
+        """Requests waiting at each of the model's other serving processes, as they published."""
+        w = self._all
+        return [w[r * _ROW_WORDS + _QUEUED] for r in self.ctl.active_rows()
+                if r != self.row and w[r * _ROW_WORDS + _STATE] == INST_READY]
 
     def at_close(self, batch: List[Request]) -> List[Request]:
         """The batch about to run, less what its callers will not read: requests whose caller
