@@ -273,9 +273,7 @@ class Engine(GraphsAndSizes):
                     views.clear()
                 view = views[key] = (buf, arr, buf.ctypes.data)
             _read_bytes(view[2], g.sources[k])
-            xs.append(torch.from_numpy(view[1]))
-        if self.cast is not None:
-            xs = [x.to(self.cast) if x.is_floating_point() else x for x in xs]
+            xs.append(self._cast(torch.from_numpy(view[1])))
         t1 = time.perf_counter()
         times.gather = t1 - t0
         out = self._forward(xs, g.names)  # the model process runs under torch.inference_mode()

@@ -146,9 +146,8 @@ class GraphsAndSizes:
             self.stream.synchronize()
 
     def capture_graphs(self, shapes, dtypes, sizes, names=None) -> None:
-        """Capture graphs for one item signature at once (at load time, from ``input_shapes``)."""
-        if not self.cuda:
-            return
+        """Capture graphs for one item signature at once (at load time, from ``input_shapes``; CUDA
+        only)."""
         sig = signature(shapes, dtypes, names)
         try:
             for n in sorted(sizes, reverse=True):

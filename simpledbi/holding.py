@@ -10,8 +10,9 @@ import os
 import select
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import List, Optional
 
 from . import batching
 from .intake import WAKE
@@ -229,9 +230,7 @@ class Holding:
         second turn of a busier client. CPU models only: on a GPU the next batch is collected
         while the device runs this one, and holding it halved the throughput of 256 callers
         (the device waited for the hold)."""
-        counts: Dict[int, int] = {}
-        for r in batch:
-            counts[r.pid] = counts.get(r.pid, 0) + 1
+        counts = Counter(r.pid for r in batch)
         waiting = self.backlog.clients()
         self._returning = {pid for pid, n in counts.items() if n == 1 and pid not in waiting}
         # Not the learned turnaround: it is mostly the busy clients' own (measured: holding for

@@ -24,6 +24,7 @@ import signal
 import time
 import traceback
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Dict, List, Optional
 
 import numpy as np
@@ -503,10 +504,9 @@ class ModelServer(Holding):
             except Exception as e:  # noqa: BLE001
                 error = e
         t_scatter = time.monotonic()
-
-        def count():  # after the answers are written, before anyone is woken (Answers.batch):
-            self.acct.count(batch, total)   # a caller's stats() after its answer includes it
-
+        # counted after the answers are written, before anyone is woken (Answers.batch): a
+        # caller's stats() after its answer includes it
+        count = partial(self.acct.count, batch, total)
         if error is not None:
             self.answers.failure(batch, error, t_close)
             count()

@@ -23,11 +23,10 @@ def batch_records(ctl, since: Optional[float] = None) -> np.ndarray:
         n = min(head, RING)
         if n == 0:
             continue
-        recs = ctl.ring[inst, :n].copy() if head <= RING else np.roll(ctl.ring[inst], -(head % RING), axis=0).copy()
-        out.append(recs)
+        out.append(ctl.ring[inst, :n] if head <= RING else np.roll(ctl.ring[inst], -(head % RING), axis=0))
     if not out:
         return np.zeros((0, len(B_FIELDS)))
-    recs = np.concatenate(out)
+    recs = np.concatenate(out)   # a copy: the ring goes on
     return recs if since is None else recs[recs[:, B_FIELDS.index("t_close")] >= since]
 
 
@@ -61,6 +60,5 @@ def summarize(ctl) -> dict:
     }
     recs = batch_records(ctl)
     for stage in STAGES:
-        col = recs[:, B_FIELDS.index(stage)] if len(recs) else np.zeros(0)
-        out[f"mean_{stage}_s"] = float(col.mean()) if col.size else 0.0
+        out[f"mean_{stage}_s"] = float(recs[:, B_FIELDS.index(stage)].mean()) if len(recs) else 0.0
     return out
