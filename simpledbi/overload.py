@@ -21,16 +21,15 @@ still runs. A model process therefore decides, for each request it takes from th
   answered, the batch after it holds room for it (up to ``wait_time``; ModelServer._expect_returns):
   otherwise a busier client's second turn would take its place every other batch.
 
-To see what waits, a model process takes every queued datagram off the socket, not one batch
-ahead, when it is the model's only process or callers send priorities or the queue is bounded
-(a request still in the kernel queue gets no turn and no answer); with several processes and
-callers that set deadlines, it takes more while its backlog is within a batch of its least
-loaded peer's (past capacity they all grow); otherwise it stays at one batch ahead, since what
-one process takes the others cannot (Admission.takes_more; Intake.hand_back gives an idle peer
-what a busy one holds beyond its next batch). With callers that set deadlines it keeps taking
-them while the device runs a batch (a CPU model's forward pass then runs on a helper thread), so
-with one model process most refusals come within a fraction of a millisecond of the call, not
-after the batch ahead (with several, what waits in the socket's queue is refused only once
+To see what waits, a model process takes every queued datagram off the socket when it is the
+model's only process, callers send priorities or the queue is bounded (a request still in the
+kernel's queue gets no turn and no refusal); with several processes and callers that set
+deadlines, while its backlog is within a batch of its least loaded peer's; otherwise one batch
+ahead, since what one process takes the others cannot (Admission.takes_more; Intake.hand_back
+gives an idle peer what a busy one holds beyond its next batch). With callers that set
+deadlines it keeps taking them while the device runs a batch (a CPU model's forward pass then
+runs on a helper thread): with one model process most refusals come within a fraction of a
+millisecond of the call (with several, what waits in the socket's queue is refused only once
 taken: README, Known limits).
 
 **The client refuses first when it can.** Each model process publishes in its instance row how
@@ -196,9 +195,6 @@ class Backlog:
     def __len__(self) -> int:
         return len(self._heap) - len(self._gone)
 
-    def __bool__(self) -> bool:
-        return len(self._heap) > len(self._gone)
-
     @property
     def items(self) -> List:
         return [e[3] for e in self._heap if id(e[3]) not in self._gone]
@@ -317,11 +313,10 @@ def admit(now: float, deadline: float, rows_ahead: int, rate: ServiceRate,
     """None to take the request, or why not: a request with a deadline (> 0) that would be
     answered after it, given ``rows_ahead``, the learned rate and the rows per second of higher
     priorities that will go before it (``overtaking``)."""
-    if deadline <= 0.0:
-        return None
-    wait = rate.wait(rows_ahead, overtaking)
-    if now + wait > deadline:
-        return Refusal("deadline", wait)
+    if deadline > 0.0:
+        wait = rate.wait(rows_ahead, overtaking)
+        if now + wait > deadline:
+            return Refusal("deadline", wait)
     return None
 
 
