@@ -140,14 +140,13 @@ class ModelServer(Holding):
         from .engine import Engine, Gather  # torch is imported only in model processes
         self._Gather = Gather
         self.spec = spec
-        self.cfg = cfg = spec.config
+        cfg = spec.config
         self.me = spec.instance
-        self.pid = os.getpid()
         self.tag = f"<{cfg.name}|{self.me}>"
         self.poll = spec.options.poll_interval
         self.ctl = ControlBlock.attach(spec.namespace, cfg.name, readonly=False, fd=ctl_fd)
         inst = self.ctl.all_instances[self.me]
-        inst["pid"], inst["t_start"] = self.pid, time.time()
+        inst["pid"], inst["t_start"] = os.getpid(), time.time()
         self.engine = Engine(cfg, self.me % cfg.model_num, spec.cpu_model_procs)
         dev = self.engine.device
         inst["device"] = -1 if dev.type == "cpu" else (dev.index or 0)
@@ -186,7 +185,6 @@ class ModelServer(Holding):
         self._inst_words = words(self.ctl.all_instances[self.me:self.me + 1])
         self._inst_words[_I_FREE] = 0
         self._free = self.ctl.all_instances["free"]   # mine is 0 whenever I look at it
-        self._graphs_shown = 0    # CUDA graphs ready, as the instance row shows them
         self.retiring = False     # a rolling reload replaced me: finish what I hold, then exit
         self._launch_ema = 0.0    # host seconds to enqueue a forward pass (EMA)
         self._forward_ema = 0.0   # device seconds of a forward pass (EMA)
@@ -205,7 +203,7 @@ class ModelServer(Holding):
                     logger.warning("%s CUDA graph capture failed; running eagerly", self.tag,
                                    exc_info=True)
         self._last_maintenance = time.monotonic()
-        inst["graphs"] = self._graphs_shown = self.engine.graph_total
+        inst["graphs"] = self._graphs_shown = self.engine.graph_total   # as the instance row shows them
         if inst["state"] != INST_RETIRING:  # replaced by a reload while loading: it stays retiring
             inst["state"] = INST_READY
 
