@@ -68,8 +68,7 @@ class Answers:
         """Write every answer first, then wake the callers: a woken caller often takes this CPU
         at once, and should not delay the answers of the rest of its batch. ``before_wake`` runs
         in between: counters a caller reads after its answer already include it."""
-        structure = result.structure
-        offset = 0
+        structure, offset = result.structure, 0
         todo = [r for r in batch if not r.answered]
         # each output's first row and bytes per row: a request's rows are one memmove each
         outs = [o if o.flags.c_contiguous else np.ascontiguousarray(o) for o in result.outputs]
@@ -86,17 +85,14 @@ class Answers:
             if before_wake is not None:
                 before_wake()
         finally:
+            answered = [r for r in todo if r.answered]   # (by this call)
             if self._waker is not None:
-                addresses = []
-                for r in todo:
-                    if r.answered:
-                        futex.store(r.peer.base + DONE_OFF, r.seq)
-                        addresses.append(r.peer.base + DONE_OFF)
-                self._waker.wake(addresses)
+                for r in answered:
+                    futex.store(r.peer.base + DONE_OFF, r.seq)
+                self._waker.wake([r.peer.base + DONE_OFF for r in answered])
             else:
-                for r in todo:
-                    if r.answered:
-                        r.peer.wake(r.seq)
+                for r in answered:
+                    r.peer.wake(r.seq)
 
     def failure(self, batch: List[Request], error: BaseException, t_close: float) -> None:
         """A batch failed: bisect it to find the requests that make the model fail (if isolation
