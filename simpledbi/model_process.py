@@ -125,7 +125,6 @@ def model_process_main(spec: ModelProcessSpec, conn, sock, ctl_fd) -> None:
 class _InFlight:
     batch: List[Request]
     t_close: float
-    gather: object = None
     launched: object = None
     error: Optional[BaseException] = None
     completed: bool = False
@@ -454,10 +453,10 @@ class ModelServer(Holding):
                             names=first.names)
 
     def _stage(self, batch: List[Request]) -> _InFlight:
-        flight = _InFlight(batch, time.monotonic(), self._gather(batch),
-                           backlogged=sum(r.rows for r in batch) >= self.max_batch)
+        flight = _InFlight(batch, time.monotonic(), backlogged=sum(r.rows for r in batch) >= self.max_batch)
+        gather = self._gather(batch)
         try:
-            flight.launched = self.engine.stage(flight.gather)
+            flight.launched = self.engine.stage(gather)
         except Exception as e:  # noqa: BLE001
             flight.error = e
         return flight
