@@ -251,7 +251,6 @@ class Engine(GraphsAndSizes):
         return BatchResult(arrays, launched.structure, times)
 
     def _run_cpu(self, g: Gather) -> BatchResult:
-        times = BatchTimes()
         t0 = time.perf_counter()
         xs = []
         host, views = self._sets[0].host, self._cpu_views
@@ -275,13 +274,10 @@ class Engine(GraphsAndSizes):
             _read_bytes(view[2], g.sources[k])
             xs.append(self._cast(torch.from_numpy(view[1])))
         t1 = time.perf_counter()
-        times.gather = t1 - t0
-        out = self._forward(xs, g.names)  # the model process runs under torch.inference_mode()
-        outs, structure = _as_list(out)
+        outs, structure = _as_list(self._forward(xs, g.names))  # (under torch.inference_mode())
         t2 = time.perf_counter()
-        times.forward = t2 - t1
         arrays = [_to_numpy(o) for o in outs]
-        times.d2h = time.perf_counter() - t2
+        times = BatchTimes(gather=t1 - t0, forward=t2 - t1, d2h=time.perf_counter() - t2)
         return BatchResult(arrays, structure, times)
 
     def stage(self, g: Gather) -> "Launched":
