@@ -33,8 +33,7 @@ class Accounting:
         self.count_words[_C[name]] += n
 
     def count(self, batch, total) -> None:
-        """Count one answered batch (before its callers are woken: stats() after an answer
-        includes it)."""
+        """Count one answered batch (before its callers are woken: see ModelServer._complete)."""
         c = self.count_words
         c[_C["requests"]] += len(batch)
         c[_C["batches"]] += 1

@@ -111,10 +111,9 @@ class Admission:
 
     def at_close(self, batch: List[Request]) -> List[Request]:
         """The batch about to run, less what its callers will not read: requests whose caller
-        stopped waiting (cancelled or closed: counted ``withdrawn``; timed out: ``expired``),
-        and those answered after their caller's deadline -- past already (the call raised
-        TimeoutError: counted ``expired``) or by the time this batch is answered (refused
-        ``Overloaded``)."""
+        stopped waiting (cancelled or closed: ``withdrawn``; timed out: ``expired``), and those
+        answered after their caller's deadline -- past already (``expired``) or by the time this
+        batch is answered (refused ``Overloaded``)."""
         gone = [r for r in batch if r.peer.abandoned(r.seq)]   # (read once: a caller may
         if gone:   # abandon meanwhile; one whose caller timed out counts as expired, as below)
             self._fail(gone, ST_EXPIRED, "its caller stopped waiting before its batch ran")

@@ -146,8 +146,7 @@ class BatchResult:
 
 
 class Engine(GraphsAndSizes):
-    """Owns the model, its device and the staging buffers of one model process (CUDA graphs
-    and batch sizes: graphs.py)."""
+    """The model, its device and the staging buffers of a model process (graphs: graphs.py)."""
 
     def __init__(self, cfg: ModelConfig, instance: int, model_procs_on_cpu: int = 1):
         self.cfg = cfg
@@ -314,8 +313,7 @@ class Engine(GraphsAndSizes):
                         names=g.names)
 
     def start(self, launched: "Launched") -> "Launched":
-        """Second half: enqueue the forward pass and the device->host copies (on the CPU: compute
-        the batch here)."""
+        """Second half: enqueue the forward pass and the device->host copies (CPU: compute it)."""
         if not self.cuda:
             launched.result = self._run_cpu(launched.gather_in)
             launched.gather_in = None

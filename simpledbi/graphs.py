@@ -142,8 +142,7 @@ class GraphsAndSizes:
             self.stream.synchronize()
 
     def capture_graphs(self, shapes, dtypes, sizes, names=None) -> None:
-        """Capture graphs for one item signature at once (at load time, from ``input_shapes``; CUDA
-        only)."""
+        """CUDA: capture graphs for one item signature now (at load time, from ``input_shapes``)."""
         sig = signature(shapes, dtypes, names)
         try:
             for n in sorted(sizes, reverse=True):

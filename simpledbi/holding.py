@@ -65,10 +65,9 @@ class Holding:
 
     def _compute_while_taking(self, launched) -> None:
         """A CPU model past capacity, with callers that set deadlines: its forward pass runs on
-        a helper thread while this one keeps taking requests off the socket, so that one that
-        cannot make its deadline is refused at once, not after this batch (NOTE [overload]).
-        This thread sleeps in select() until a request comes or the helper says it is done (a
-        pipe): no polling."""
+        a helper thread while this one keeps taking requests off the socket (asleep in select()
+        until one comes or the helper writes its pipe), so that one that cannot make its deadline
+        is refused at once, not after this batch (NOTE [overload])."""
         from concurrent.futures import ThreadPoolExecutor, wait
         if self._helper is None:
             self._helper = ThreadPoolExecutor(1, thread_name_prefix="simpledbi-forward")
@@ -214,12 +213,11 @@ class Holding:
             backlog.restore(entry)
 
     def _expect_returns(self, batch: List[Request]) -> None:
-        """Some client has several requests waiting: the clients just answered with one call in
-        this batch and none waiting (one call at a time, by all signs) are likely to send again
-        soon; the next batch holds their turn for up to wait_time, rather than give it to a
-        second turn of a busier client. CPU models only: on a GPU the next batch is collected
-        while the device runs this one, and holding it halved the throughput of 256 callers
-        (the device waited for the hold)."""
+        """Some client has several requests waiting: the clients with one call in this batch and
+        none waiting (one call at a time, by all signs) will likely send again soon, so the next
+        batch holds their turn for up to wait_time rather than give it to a busier client's
+        second turn. CPU models only: on a GPU the next batch is collected while the device runs
+        this one, and holding it halved the throughput of 256 callers (the device waited)."""
         counts = Counter(r.pid for r in batch)
         waiting = self.backlog.clients()
         self._returning = {pid for pid, n in counts.items() if n == 1 and pid not in waiting}

@@ -231,10 +231,7 @@ class ModelServer(Holding):
         separate stream at once. Then either k is answered and k+1's forward launched, or -- when
         launching is cheap next to the device time (CUDA graphs, big batches) -- k+1's forward is
         launched first so the device never waits. At most two batches are unfinished at any time
-        (two buffer sets); on the CPU every batch is computed and answered in turn.
-
-        Every step runs under a catch-all: whatever goes wrong fails the requests it concerns
-        with a typed error, and the loop goes on."""
+        (two buffer sets); on the CPU every batch is computed and answered in turn."""
         inflight: Optional[_InFlight] = None
         hdr_words, inst_words = self._hdr_words, self._inst_words
         while not self.answers.fatal:
@@ -294,8 +291,7 @@ class ModelServer(Holding):
         self.answers.fail(list(self._open.values()), ST_STOPPED, "the model process is stopping")
 
     def _idle_wait(self) -> bool:
-        """Nothing held, nothing running: sleep on the socket for up to a poll interval (False:
-        this process should exit)."""
+        """Nothing held or running: sleep on the socket for up to a poll interval (False: exit)."""
         self._inst_words[_I_FREE] = 1
         self.admission.room = self.max_batch   # what comes now starts a batch
         try:

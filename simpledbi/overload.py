@@ -75,8 +75,7 @@ class Limits:
 
 @dataclass(frozen=True)
 class Refusal:
-    """Why a request is refused: ``reason`` (one of REASONS) and the wait it was expected to
-    have (seconds; 0 when unknown)."""
+    """Why a request is refused (one of REASONS) and its expected wait (seconds; 0: unknown)."""
 
     reason: str
     expected_wait: float = 0.0
