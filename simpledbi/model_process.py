@@ -382,8 +382,7 @@ class ModelServer(Holding):
         if req.seq == peer.answered_seq + 1:  # its last request was answered by me: a sample
             self.turnaround.add(min(max(req.t_publish - peer.answered_at, 0.0), 0.1))
         self.arrivals.add(req.rows, req.t_seen)
-        if self._returning:
-            self._returning.discard(req.pid)   # back: the batch need hold its turn no longer
+        self._returning.discard(req.pid)   # back: the batch need hold its turn no longer
         return self.admission.take(req)
 
     def _release(self, req: Request) -> None:

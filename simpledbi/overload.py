@@ -176,7 +176,7 @@ class Backlog:
     still ahead) or, for a client with nothing waiting, the queue's virtual time (the tag of
     the last request taken) -- and requests leave by (higher priority, lower tag, arrival).
     O(log n) a request. Tallies its decisions read in O(1): rows per priority, rows per
-    (priority, client), requests with a deadline, clients with several requests waiting."""
+    (priority, client), clients with several requests waiting."""
 
     def __init__(self):
         self._heap: List = []                         # (-priority, tag, arrival, request)
@@ -185,7 +185,6 @@ class Backlog:
         self._finish: Dict[Tuple[int, int], int] = {}  # (priority, pid) -> its next free tag
         self._gone: set = set()                       # ids removed from the middle (lazily)
         self.rows = 0
-        self.with_deadline = 0
         self.repeats = 0                              # clients with 2+ requests waiting
         self._prio_rows: Dict[int, int] = {}
         self._prio_clients: Dict[int, int] = {}       # priority -> clients with requests waiting
@@ -263,8 +262,6 @@ class Backlog:
         p = r.priority
         self.rows += sign * r.rows
         self._prio_rows[p] = self._prio_rows.get(p, 0) + sign * r.rows
-        if r.deadline > 0.0:
-            self.with_deadline += sign
         key = (p, r.pid)
         c = self._client.get(key)
         if c is None:
