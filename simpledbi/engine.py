@@ -280,9 +280,8 @@ class Engine(GraphsAndSizes):
         return BatchResult(arrays, structure, times)
 
     def stage(self, g: Gather) -> "Launched":
-        """Start a batch, first half: claim a buffer set and enqueue the host->device copies (on
-        the copy stream, so they overlap whatever the compute stream is running). At most two
-        batches may be unfinished at a time (two buffer sets)."""
+        """Start a batch, first half: claim a buffer set (of two: NOTE [pipelining]) and enqueue
+        the host->device copies on the copy stream, overlapping whatever the compute stream runs."""
         if not self.cuda:
             return Launched(gather_in=g)
         bs = self._sets[self._next_set]
