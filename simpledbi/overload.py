@@ -243,10 +243,7 @@ class Backlog:
 
     def take_all(self) -> List:
         """Every request, in the order they go; the backlog is left empty."""
-        out = []
-        while self:
-            out.append(self.pop())
-        return out
+        return [self.pop() for _ in range(len(self))]
 
     def remove(self, r) -> None:
         """Take ``r`` out from anywhere (a refused request)."""
