@@ -155,7 +155,8 @@ class ModelServer(Holding):
         self.costs = batching.CostModel()
         self.arrivals = batching.RateMeter()
         self.turnaround = batching.Ema()   # seconds from an answer to that client's next request
-        dtypes = tuple(np.dtype(d) for d in cfg.input_dtypes) if cfg.input_shapes and cfg.input_dtypes else None
+        dtypes = (tuple(np.dtype(d) for d in cfg.input_dtypes)
+                  if cfg.input_shapes and cfg.input_dtypes else None)
         limits = Limits(self.max_batch, len(cfg.input_shapes) if cfg.input_shapes else None, dtypes,
                         names=self.engine.input_names)
         self.intake = Intake(sock, self.ctl, self.me, limits, cfg.max_clients,
