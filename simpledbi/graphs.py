@@ -36,8 +36,6 @@ def _describe(sig) -> str:
 
 
 class GraphsAndSizes:
-    """The Engine's CUDA graphs and the batch sizes it has run (a mixin: Engine's state)."""
-
     def _init_graphs(self, cfg) -> None:
         self._graphs: dict = {}                      # signature -> {batch size: _Graph}
         self._graph_sizes = cfg.graph_batch_sizes() if self.cuda else ()

@@ -94,8 +94,6 @@ def _is_torch(x) -> bool:
 
 
 class Inputs:
-    """Input checking of SharedModel (a mixin: the handle's state)."""
-
     def _set_inputs(self, h) -> None:
         """This client's max_shapes, dtypes and input names (_client_inputs)."""
         max_shape, dtype = self._args
