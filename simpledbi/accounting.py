@@ -33,8 +33,7 @@ class Accounting:
         self.count_words[_C[name]] += n
 
     def count(self, batch, total) -> None:
-        """Count one answered batch (before its callers are woken: stats() after an answer
-        includes it)."""
+        """Count one answered batch (before its callers are woken: see ModelServer._complete)."""
         c = self.count_words
         c[_C["requests"]] += len(batch)
         c[_C["batches"]] += 1
@@ -45,11 +44,10 @@ class Accounting:
         callers are woken: they do not wait for this)."""
         c = self.count_words
         head = c[_C["ring_head"]]
+        gather = h2d = forward = d2h = 0.0   # (a batch that failed)
         if result is not None:
             tm = result.times
             gather, h2d, forward, d2h = tm.gather, tm.h2d, tm.forward, tm.d2h
-        else:
-            gather = h2d = forward = d2h = 0.0
         # The runtime's own work on this batch: copy in (issue and DMA overlap), copy out, scatter
         # and wake. Not wall time minus forward: with pipelining, a batch also waits for the one
         # ahead of it on the device, which is neither its forward nor the runtime's cost.

@@ -42,36 +42,23 @@ class Admission:
 
     @property
     def look_ahead(self) -> bool:
-        """Should the process take every queued request off the socket, not one batch's worth?
-        When this is the model's only process (no other would take what it leaves queued; fair
-        turns and refusals need every request in view), when callers send priorities, or when
-        the queue is bounded. Not with several processes for fair turns or deadlines alone:
-        what one takes, the others cannot (measured on an H200: 256 callers got half the
-        throughput, and with deadlines the p99 at capacity tripled; Intake.hand_back only
-        evens it out a few requests at a time)."""
+        """Take every queued request off the socket, not one batch's worth (NOTE [overload])? Not
+        with several processes for fair turns or deadlines alone: what one takes, the others
+        cannot (measured on an H200: 256 callers got half the throughput, and with deadlines the
+        p99 at capacity tripled; Intake.hand_back only evens it out a few requests at a time)."""
         return self.alone or self.priorities_seen or self.limits.max_queue is not None
 
     def takes_more(self, limit: int) -> bool:
-        """Take requests off the socket beyond the next batch and one more (``limit`` rows)?
-        Always with look_ahead. With several processes and callers that set deadlines: while my
-        backlog is less than one batch beyond the least one among my serving peers. Past capacity
-        every process's backlog then grows: more of what waits is in view and refused when taken,
-        and every process publishes a queue, so clients refuse what none can serve in time
-        without sending it. Below capacity no process holds more than a batch beyond what an idle
-        peer would take. (Measured, ResNet-50 at 2x on an H100, run 35: refusals within 1 ms went
-        from 0.4-2.7% to 4-10%; most still come tens of ms after the call, from requests that
-        waited in the socket's queue or blocked sending to it.)"""
-        if self.look_ahead:
-            return True
-        if not self.deadlines_seen:
-            return False
-        w, least = self._all, None
-        for r in self.ctl.active_rows():
-            if r != self.row and w[r * _ROW_WORDS + _STATE] == INST_READY:
-                q = w[r * _ROW_WORDS + _QUEUED]
-                if least is None or q < least:
-                    least = q
-        return len(self.backlog) < (least or 0) + limit
+        """Take requests off the socket beyond the next batch and one more (``limit`` rows)? With
+        several processes and callers that set deadlines, while my backlog is less than a batch
+        beyond the least of my serving peers': past capacity every backlog then grows, so more is
+        refused when taken and every process publishes a queue for clients to refuse by; below
+        capacity none holds more than a batch beyond what an idle peer would take. (ResNet-50 at
+        2x on an H100, run 35: refusals within 1 ms went from 0.4-2.7% to 4-10%; most still come
+        tens of ms after the call, from requests that waited in the socket's queue or blocked
+        sending to it.)"""
+        return self.look_ahead or (self.deadlines_seen and
+                                   len(self.backlog) < min(self._peer_queues(), default=0) + limit)
 
     def take(self, req: Request) -> bool:
         """A request arrived: True to keep it (the caller batches it or adds it to the backlog),
@@ -114,43 +101,41 @@ class Admission:
     def waiting(self) -> int:
         """Requests waiting across the model's serving processes -- taken, and beyond what the
         batch being collected has room for: mine exactly, the others' as they last published."""
-        w, n = self._all, max(len(self.backlog) - self.room, 0)
-        for r in self.ctl.active_rows():
-            if r != self.row and w[r * _ROW_WORDS + _STATE] == INST_READY:
-                n += w[r * _ROW_WORDS + _QUEUED]
-        return n
+        return max(len(self.backlog) - self.room, 0) + sum(self._peer_queues())
+
+    def _peer_queues(self) -> List[int]:
+        """Requests waiting at each of the model's other serving processes, as they published."""
+        w = self._all
+        return [w[r * _ROW_WORDS + _QUEUED] for r in self.ctl.active_rows()
+                if r != self.row and w[r * _ROW_WORDS + _STATE] == INST_READY]
 
     def at_close(self, batch: List[Request]) -> List[Request]:
         """The batch about to run, less what its callers will not read: requests whose caller
-        stopped waiting (cancelled or closed: counted ``withdrawn``; timed out: ``expired``),
-        and those answered after their caller's deadline -- past already (the call raised
-        TimeoutError: counted ``expired``) or by the time this batch is answered (refused
-        ``Overloaded``)."""
+        stopped waiting (cancelled or closed: ``withdrawn``; timed out: ``expired``), and those
+        answered after their caller's deadline -- past already (``expired``) or by the time this
+        batch is answered (refused ``Overloaded``)."""
         gone = [r for r in batch if r.peer.abandoned(r.seq)]   # (read once: a caller may
         if gone:   # abandon meanwhile; one whose caller timed out counts as expired, as below)
             self._fail(gone, ST_EXPIRED, "its caller stopped waiting before its batch ran")
             timed_out = sum(0.0 < r.deadline <= time.monotonic() for r in gone)
-            if timed_out:
-                self._count("expired", timed_out)
-            if len(gone) > timed_out:
-                self._count("withdrawn", len(gone) - timed_out)
-            self.in_progress -= sum(r.rows for r in gone)
-            dropped = {id(r) for r in gone}
-            batch = [r for r in batch if id(r) not in dropped]
+            self._count("expired", timed_out)
+            self._count("withdrawn", len(gone) - timed_out)
+            batch = self._without(batch, gone)
         if not self.deadlines_seen:
             return batch
         expired, doomed = refused_at_close(time.monotonic(), batch, self.rate)
         if not expired and not doomed:
             return batch
-        if expired:
-            self._fail(expired, ST_EXPIRED, "the call's timeout passed before its batch ran")
-            self._count("expired", len(expired))
-        if doomed:
-            self.refuse(doomed, Refusal("deadline", self.rate.latency_bound))
-        late = expired + doomed
-        gone = {id(r) for r in late}
-        self.in_progress -= sum(r.rows for r in late)
-        return [r for r in batch if id(r) not in gone]
+        self._fail(expired, ST_EXPIRED, "the call's timeout passed before its batch ran")
+        self._count("expired", len(expired))
+        self.refuse(doomed, Refusal("deadline", self.rate.latency_bound))
+        return self._without(batch, expired + doomed)
+
+    def _without(self, batch: List[Request], dropped: List[Request]) -> List[Request]:
+        """``batch`` less ``dropped`` (answered already), whose rows are no longer in progress."""
+        self.in_progress -= sum(r.rows for r in dropped)
+        ids = {id(r) for r in dropped}
+        return [r for r in batch if id(r) not in ids]
 
     def refuse(self, requests: Sequence[Request], why: Refusal) -> None:
         self._fail(requests, ST_OVERLOADED, why.text())

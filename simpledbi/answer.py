@@ -14,7 +14,7 @@ from typing import Callable, List, Sequence
 import numpy as np
 
 from . import futex
-from .layout import DONE_OFF, MAX_IO, MAX_NDIM, ST_BAD_REQUEST, ST_MODEL_ERROR, ST_OK, dtype_code
+from .layout import DONE_OFF, MAX_IO, MAX_NDIM, ST_MODEL_ERROR, ST_OK, dtype_code
 from .slots import Request, Rows
 
 logger = logging.getLogger(__name__)
@@ -64,45 +64,35 @@ class Answers:
         if self._waker is not None:
             self._waker.close()
 
-    def batch(self, batch: List[Request], result, t_close: float, total: int, short=(),
-              before_wake=None) -> None:
+    def batch(self, batch: List[Request], result, t_close: float, total: int, before_wake=None) -> None:
         """Write every answer first, then wake the callers: a woken caller often takes this CPU
         at once, and should not delay the answers of the rest of its batch. ``before_wake`` runs
         in between: counters a caller reads after its answer already include it."""
-        structure = result.structure
-        offset = 0
+        structure, offset = result.structure, 0
         todo = [r for r in batch if not r.answered]
         # each output's first row and bytes per row: a request's rows are one memmove each
         outs = [o if o.flags.c_contiguous else np.ascontiguousarray(o) for o in result.outputs]
         per_out = [(o.ctypes.data, o.strides[0] if o.shape[0] > 1 else o.nbytes, o.dtype, o.shape[1:])
                    for o in outs]
         try:
-            for i, r in enumerate(batch):
-                if i in short:
-                    self._count("bad_requests", 1)
-                    self.respond(r, ST_BAD_REQUEST, "the request's input could not be read in full",
-                                 t_close=t_close, total=total, wake=False)
-                else:
-                    n = r.rows
-                    rows = Rows([(ptr + offset * step, n * step) for ptr, step, _, _ in per_out],
-                                tuple(x for _, _, dt, item in per_out for x in (dt, (n, *item))), outs)
-                    self.respond(r, ST_OK, "", rows, structure.code, t_close, total, wake=False,
-                                 names=structure.names)
-                offset += r.rows
+            for r in batch:
+                n = r.rows
+                rows = Rows([(ptr + offset * step, n * step) for ptr, step, _, _ in per_out],
+                            tuple(x for _, _, dt, item in per_out for x in (dt, (n, *item))), outs)
+                self.respond(r, ST_OK, "", rows, structure.code, t_close, total, wake=False,
+                             names=structure.names)
+                offset += n
             if before_wake is not None:
                 before_wake()
         finally:
+            answered = [r for r in todo if r.answered]   # (by this call)
             if self._waker is not None:
-                addresses = []
-                for r in todo:
-                    if r.answered:
-                        futex.store(r.peer.base + DONE_OFF, r.seq)
-                        addresses.append(r.peer.base + DONE_OFF)
-                self._waker.wake(addresses)
+                for r in answered:
+                    futex.store(r.peer.base + DONE_OFF, r.seq)
+                self._waker.wake([r.peer.base + DONE_OFF for r in answered])
             else:
-                for r in todo:
-                    if r.answered:
-                        r.peer.wake(r.seq)
+                for r in answered:
+                    r.peer.wake(r.seq)
 
     def failure(self, batch: List[Request], error: BaseException, t_close: float) -> None:
         """A batch failed: bisect it to find the requests that make the model fail (if isolation
@@ -143,7 +133,7 @@ class Answers:
                 else:
                     todo += [part[:len(part) // 2], part[len(part) // 2:]]
                 continue
-            self.batch(part, result, t_close, total, g.short)
+            self.batch(part, result, t_close, total)
         return culprits
 
     def fail(self, requests: Sequence[Request], status: int, text: str) -> None:

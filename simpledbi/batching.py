@@ -1,36 +1,31 @@
-"""The batching policy: when to close a batch, as pure functions of (queue snapshot, now, learned
-costs, limits). Kept free of processes and shared memory so its decisions are unit-tested directly.
+"""The batching policy: when to close a batch, as pure functions of (the batch so far, now,
+learned costs, limits), so its decisions are unit-tested directly.
 
 NOTE [adaptive batching]
 ------------------------
 A fixed "wait up to ``wait_time`` for more" doubles latency at low load and buys nothing when the
 device would otherwise idle. Instead each model process learns, per item shape, what a batch of
-``n`` rows costs (``CostModel``: a decayed least-squares fit ``cost(n) = fixed + per_row * n``)
-and how fast rows arrive (``RateMeter``), and asks :func:`decide` after every change:
+``n`` rows costs (``CostModel``: a decayed least-squares fit ``cost(n) = fixed + per_row * n``),
+how fast rows arrive (``RateMeter``) and how soon an answered client sends again (its
+``turnaround``), and asks :func:`decide` whenever something changes:
 
-* close at once when the batch is full, when rows of its shape are already waiting that did not
-  fit, when no attached client could send another request, when the oldest request has waited
-  ``wait_time`` (an upper bound now, not the usual delay), or when waiting longer would break
-  ``latency_target``;
-* while the device is still busy with the previous batch, keep collecting: the batch could not
-  start earlier anyway;
-* otherwise wait only if it pays: for clients just answered that are about to send again (a
-  closed loop; how long they take is learned, ``turnaround``), or for the Poisson stream.
-  (A client in an open loop thinks between requests: its turnaround is long, so nobody waits.)
-  Running now and running the rows that arrive during a wait
-  ``w`` as a batch of their own costs one more ``fixed``; waiting delays the rows already here
-  by ``w`` (and their batch by ``per_row`` per newcomer). With ``k = rate * w`` newcomers the
-  total latency saved is ``k * (fixed - w) - b * (w + per_row * k)``, which is positive only if
-  ``fixed > b / rate + b * per_row`` and is largest at ``w* = (fixed - b / rate - b * per_row) / 2``.
-  So at low load (``b / rate`` large) a request runs at once, and under load with a large fixed
-  cost (launch-bound models) the batch waits a fraction of that fixed cost.
+* close at once when the batch is full, when rows of its kind wait that did not fit, when no
+  attached client could send another request, when its oldest request has waited ``wait_time``
+  (an upper bound, not the usual delay), or when waiting longer would break ``latency_target``;
+* while the device still runs the previous batch, keep collecting: it could not start earlier;
+* otherwise wait only if it pays. For clients just answered (a closed loop): up to
+  ``_TURNAROUND_FACTOR`` turnarounds after the newest arrival (a client in an open loop thinks
+  between requests: its turnaround is long, so nobody waits). For the arrival ``rate``: running
+  the ``b`` rows here now and the ``k = rate * w`` arriving during a wait ``w`` as a batch of
+  their own costs one more ``fixed``; waiting delays the ``b`` rows by ``w`` (and their batch by
+  ``per_row`` per newcomer). The latency saved, ``k * (fixed - w) - b * (w + per_row * k)``, is
+  positive only if ``fixed > b / rate + b * per_row`` and largest at
+  ``w* = (fixed - b / rate - b * per_row) / 2``. So at low load a request runs at once, and under
+  load with a large fixed cost (launch-bound models) the batch waits a fraction of that cost.
 
-A ``latency_target`` also caps the batch size (:func:`row_limit`): a request may wait for the
-batch ahead of it and then run in its own, so a batch is at most as large as fits in half the
-target.
-
-Requests of a batch share an item shape and dtypes (equal ``key``); the oldest request's group
-goes first and requests join in arrival order, so nobody is passed over.
+A ``latency_target`` also caps a batch (:func:`row_limit`) at what fits in half the target (a
+request may wait for the batch ahead and then run in its own), unless batches that small could
+not keep up with the arrivals. Which requests a batch takes, in which order, is holding.py's.
 """
 from __future__ import annotations
 
@@ -54,8 +49,8 @@ class Policy:
 
 
 class Snapshot(NamedTuple):
-    """What a model process knows about the batch it is collecting. (Immutable; a NamedTuple,
-    made once per decision: a frozen dataclass costs several times as much to build.)"""
+    """The batch a model process is collecting. (A NamedTuple, made once per decision: a frozen
+    dataclass costs several times as much to build.)"""
 
     rows: int            # rows in the batch so far (>= 1)
     oldest: float        # publish time of its oldest request (time.monotonic)
@@ -92,15 +87,13 @@ def decide(s: Snapshot, now: float, cost: Optional[Tuple[float, float]], rate: f
     room = limit - s.rows
     wait, gain = 0.0, 0.0
     if turnaround is not None:
-        # Clients come back this fast after an answer (a closed loop): wait for those that may
-        # send -- but only until twice that long after the newest arrival. An attached client
-        # that went quiet is then given up on, so it costs a batch at most 2 x turnaround.
+        # (an attached client that went quiet costs a batch at most _TURNAROUND_FACTOR turnarounds)
         w = max(s.newest, s.oldest) + _TURNAROUND_FACTOR * turnaround - now
         if MIN_WAIT < w <= budget:
             wait, gain = w, _saved(min(s.may_send, room), w, s.rows, fixed, per_row)
     if rate > 0.0:
         w = min((fixed - s.rows / rate - s.rows * per_row) / 2.0,
-                (min(room, s.may_send)) / rate, budget)   # no gain past a full batch
+                min(room, s.may_send) / rate, budget)   # no gain past a full batch
         g = _saved(rate * w, w, s.rows, fixed, per_row) if w > 0 else 0.0
         if g > gain:
             wait, gain = w, g
@@ -122,8 +115,7 @@ def _saved(k: float, w: float, b: int, fixed: float, per_row: float) -> float:
 
 
 def row_limit(p: Policy, cost: Optional[Tuple[float, float]], rate: float = 0.0) -> int:
-    """The most rows a batch may take: ``max_batch``, or fewer when ``latency_target`` needs it
-    (a request may wait for one batch and run in the next: each must fit in half the target) --
+    """The most rows a batch may take: ``max_batch``, or fewer when ``latency_target`` needs it --
     but never so few that batches can no longer keep up with ``rate`` rows/s: then queues would
     grow and every request would miss the target, so throughput comes first."""
     if p.latency_target is None or cost is None:

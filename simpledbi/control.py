@@ -20,13 +20,12 @@ from .sources import describe
 
 logger = logging.getLogger(__name__)
 
-SOCKET_NAME = "control.sock"
 _MAX_LINE = 1 << 16
 _READ_TIMEOUT = 10.0   # seconds a connection has to send its command
 
 
 def socket_path(namespace: str) -> str:
-    return ns_path(namespace, SOCKET_NAME)
+    return ns_path(namespace, "control.sock")
 
 
 class ControlServer:
@@ -116,8 +115,7 @@ def _read_line(conn: socket.socket) -> bytes:
 
 
 def send(namespace: str, message: dict) -> dict:
-    """Send one command to the serve process of ``namespace`` and return its answer (which comes
-    once the command is done: no timeout)."""
+    """Send one command to the serve process of ``namespace``; its answer, once it is done."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         try:
             s.connect(socket_path(namespace))

@@ -44,14 +44,12 @@ class BadModelOutput(Exception):
 class Gather:
     """What one batch reads: ``sources[k][r] = (address, offset, nbytes, dma)`` is request r's
     rows of input k in its client's slot, mapped at ``address`` (``dma``: the same address when
-    the slot is registered for DMA, else 0). ``short``: requests whose rows could not be read in
-    full (none, since slots cannot shrink)."""
+    the slot is registered for DMA, else 0)."""
 
     rows: int
     items: Tuple[Tuple[int, ...], ...]
     dtypes: Tuple[np.dtype, ...]
     sources: List[List[Tuple[int, int, int, int]]]
-    short: set = field(default_factory=set)
     names: Optional[Tuple[str, ...]] = None   # keyword inputs: the model is called with these names
 
 
@@ -148,8 +146,7 @@ class BatchResult:
 
 
 class Engine(GraphsAndSizes):
-    """Owns the model, its device and the staging buffers of one model process (CUDA graphs
-    and batch sizes: graphs.py)."""
+    """The model, its device and the staging buffers of a model process (graphs: graphs.py)."""
 
     def __init__(self, cfg: ModelConfig, instance: int, model_procs_on_cpu: int = 1):
         self.cfg = cfg
@@ -253,7 +250,6 @@ class Engine(GraphsAndSizes):
         return BatchResult(arrays, launched.structure, times)
 
     def _run_cpu(self, g: Gather) -> BatchResult:
-        times = BatchTimes()
         t0 = time.perf_counter()
         xs = []
         host, views = self._sets[0].host, self._cpu_views
@@ -275,23 +271,17 @@ class Engine(GraphsAndSizes):
                     views.clear()
                 view = views[key] = (buf, arr, buf.ctypes.data)
             _read_bytes(view[2], g.sources[k])
-            xs.append(torch.from_numpy(view[1]))
-        if self.cast is not None:
-            xs = [x.to(self.cast) if x.is_floating_point() else x for x in xs]
+            xs.append(self._cast(torch.from_numpy(view[1])))
         t1 = time.perf_counter()
-        times.gather = t1 - t0
-        out = self._forward(xs, g.names)  # the model process runs under torch.inference_mode()
-        outs, structure = _as_list(out)
+        outs, structure = _as_list(self._forward(xs, g.names))  # (under torch.inference_mode())
         t2 = time.perf_counter()
-        times.forward = t2 - t1
         arrays = [_to_numpy(o) for o in outs]
-        times.d2h = time.perf_counter() - t2
+        times = BatchTimes(gather=t1 - t0, forward=t2 - t1, d2h=time.perf_counter() - t2)
         return BatchResult(arrays, structure, times)
 
     def stage(self, g: Gather) -> "Launched":
-        """Start a batch, first half: claim a buffer set and enqueue the host->device copies (on
-        the copy stream, so they overlap whatever the compute stream is running). At most two
-        batches may be unfinished at a time (two buffer sets)."""
+        """Start a batch, first half: claim a buffer set (of two: NOTE [pipelining]) and enqueue
+        the host->device copies on the copy stream, overlapping whatever the compute stream runs."""
         if not self.cuda:
             return Launched(gather_in=g)
         bs = self._sets[self._next_set]
@@ -322,8 +312,7 @@ class Engine(GraphsAndSizes):
                         names=g.names)
 
     def start(self, launched: "Launched") -> "Launched":
-        """Second half: enqueue the forward pass and the device->host copies (on the CPU: compute
-        the batch here)."""
+        """Second half: enqueue the forward pass and the device->host copies (CPU: compute it)."""
         if not self.cuda:
             launched.result = self._run_cpu(launched.gather_in)
             launched.gather_in = None

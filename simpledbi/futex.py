@@ -1,14 +1,13 @@
-"""The two synchronisation words of a client slot, operated on in shared memory that a client can
-scribble on (NOTE [slot protocol] in slots.py): nothing here may crash or hang a process other
-than the scribbler, whatever the words hold.
+"""The two synchronisation words of a client slot, in shared memory a client can scribble on
+(NOTE [slot protocol] in slots.py): nothing here may crash or hang a process other than the
+scribbler, whatever the words hold.
 
 * The **ticket** (a request's claim token) is a glibc spinlock word used only through
   ``pthread_spin_trylock`` (one atomic compare-and-swap: of a client taking its request back and
   any number of model processes, exactly one wins) and ``pthread_spin_unlock`` (one atomic store:
-  offer the request). Neither reads anything but the word, neither enters the kernel, and a
-  garbage value is simply "not offered". (glibc's ``sem_post`` was no option: it passes a field
-  of the semaphore a client can overwrite into the futex call's operation, and aborts the
-  process on the error that follows.)
+  offer the request). Neither reads anything but the word nor enters the kernel, and a garbage
+  value is simply "not offered". (glibc's ``sem_post`` was no option: it passes a field a client
+  can overwrite into the futex call's operation, and aborts the process on the error that follows.)
 * The **done** word: a model process stores the answered request's seq into it and wakes sleepers
   with a ``FUTEX_WAKE`` whose operation is ours, not read from memory; a client sleeps with
   ``FUTEX_WAIT_BITSET`` on the value it last saw, with a deadline on the monotonic clock. A store

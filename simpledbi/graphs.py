@@ -36,12 +36,8 @@ def _describe(sig) -> str:
 
 
 class GraphsAndSizes:
-    """The Engine's CUDA graphs and the batch sizes it has run (a mixin: Engine's state)."""
-
     def _init_graphs(self, cfg) -> None:
-        # CUDA graphs, per item signature: {batch size: _Graph} (NOTE [graphs captured off the
-        # serving thread]).
-        self._graphs: dict = {}
+        self._graphs: dict = {}                      # signature -> {batch size: _Graph}
         self._graph_sizes = cfg.graph_batch_sizes() if self.cuda else ()
         self._graph_queued: set = set()              # (signature, batch size) being captured
         self._graph_uses: dict = {}                  # (signature, batch size) -> eager batches
@@ -50,16 +46,14 @@ class GraphsAndSizes:
         self._capturer: Optional[_Capturer] = None
         self.graph_total = 0                         # graphs ready (the instance row shows it)
         # NOTE [first batch of a size]: the first forward pass of each new batch size costs far
-        # more than the next (cuDNN builds execution plans per shape, per thread: 33-54 ms against
-        # 4-5 ms for ResNet-50 on an H200, experiments/first_batch_cost.py). Paid as sizes turn up,
-        # that put 50 ms stalls in the tail at 128 workers. So an eager batch of a size this
-        # process has not run yet is padded up to the smallest size it has run (the padding rows
-        # hold earlier inputs or zeros and never reach a caller; rows are independent, as for
-        # CUDA graphs), and the new size is run once on zeros when the process is quiet.
-        # Padding is rent, the first run is the price of buying: under constant load (no quiet
-        # moment, ever) a size padded again and again is run as itself once the rows it wasted add
-        # up to PAD_BUDGET_BATCHES full batches -- a rare size stays padded, a frequent one is
-        # bought within a few batches (at 90% open-loop load, padding every new size for good
+        # more than the next (cuDNN plans per shape, per thread: 33-54 ms against 4-5 ms for
+        # ResNet-50 on an H200, experiments/first_batch_cost.py): 50 ms stalls in the tail at 128
+        # workers. So an eager batch of a size not run here yet is padded up to the smallest size
+        # that was (padding rows hold earlier inputs or zeros and never reach a caller; rows are
+        # independent, as for CUDA graphs), and the new size is run once on zeros when the process
+        # is quiet. Under constant load (no quiet moment) a size is run as itself once its padding
+        # rows add up to PAD_BUDGET_BATCHES full batches: a rare size stays padded, a frequent one
+        # is bought within a few batches (at 90% open-loop load, padding every new size for good
         # took the median from 3.9 to 11.4 ms, docs/BENCHMARKS.md run 17).
         self._sizes_run: Dict[tuple, set] = {}     # signature -> eager batch sizes run here
         self._size_todo: List[tuple] = []          # (signature, size) to run once when quiet
@@ -104,10 +98,6 @@ class GraphsAndSizes:
                             "the serving thread)", self.cfg.name, _describe(sig), n, seconds * 1e3)
         self.graph_total = sum(len(g) for g in self._graphs.values())
 
-    @property
-    def graph_count(self) -> int:
-        return self.graph_total
-
     def _eager_rows(self, sig, rows: int, bs, staged) -> int:
         """How many rows to run an eager batch of ``rows`` with: itself if this process ran that
         size before (or no larger one), else the smallest larger size it ran, padded."""
@@ -150,9 +140,7 @@ class GraphsAndSizes:
             self.stream.synchronize()
 
     def capture_graphs(self, shapes, dtypes, sizes, names=None) -> None:
-        """Capture graphs for one item signature at once (at load time, from ``input_shapes``)."""
-        if not self.cuda:
-            return
+        """CUDA: capture graphs for one item signature now (at load time, from ``input_shapes``)."""
         sig = signature(shapes, dtypes, names)
         try:
             for n in sorted(sizes, reverse=True):
@@ -203,15 +191,14 @@ class _Graph:
 
 class _Capturer:
     """NOTE [graphs captured off the serving thread]: capturing a CUDA graph means running the
-    new size eagerly first (its cuDNN plans, 30-50 ms for ResNet-50 on an H200) and then
-    recording it: done between batches, that stalled every caller queued behind it, so captures
-    waited for an idle moment -- which a busy process never has, and its small batches stayed
-    eager and launch-bound (the 75-90% load tail, docs/BENCHMARKS.md). Here one thread per model
-    process captures, on its own stream and in thread-local capture mode, while the serving
-    thread keeps launching; the serving thread takes each finished graph between two batches.
-    Captures share one memory pool and run one at a time; graphs are replayed only by the
-    serving thread, in turn, so they never run concurrently (the pool's condition). Costs: the
-    captured model is called from two threads at once (inference only, no state written), and
+    new size eagerly first (its cuDNN plans, 30-50 ms for ResNet-50 on an H200), then recording
+    it. Between batches that stalled every caller queued behind; waiting for an idle moment,
+    a busy process never captured, and its small batches stayed eager and launch-bound (the
+    75-90% load tail, docs/BENCHMARKS.md). So one thread per model process captures, on its own
+    stream in thread-local capture mode, while the serving thread keeps launching and takes each
+    finished graph between two batches. Captures share one memory pool and run one at a time;
+    only the serving thread replays, so graphs never run concurrently (the pool's condition).
+    Costs: the model is called from two threads at once (inference only, no state written), and
     the capture's warm-up runs take some GPU time beside the serving."""
 
     def __init__(self, engine):

@@ -10,8 +10,9 @@ import os
 import select
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import List, Optional
 
 from . import batching
 from .intake import WAKE
@@ -43,8 +44,6 @@ class _Collecting:
 
 
 class Holding:
-    """The batch-filling half of ModelServer (see the module docstring)."""
-
     def _await_device(self, flight) -> None:
         """With callers that set deadlines: while the device finishes ``flight``, keep taking
         requests off the socket, so that one that cannot make its deadline is refused at once
@@ -64,15 +63,12 @@ class Holding:
 
     def _compute_while_taking(self, launched) -> None:
         """A CPU model past capacity, with callers that set deadlines: its forward pass runs on
-        a helper thread while this one keeps taking requests off the socket, so that one that
-        cannot make its deadline is refused at once, not after this batch (NOTE [overload]).
-        This thread sleeps in select() until a request comes or the helper says it is done (a
-        pipe): no polling."""
+        a helper thread while this one keeps taking requests off the socket (asleep in select()
+        until one comes or the helper writes its pipe), so that one that cannot make its deadline
+        is refused at once, not after this batch (NOTE [overload])."""
         from concurrent.futures import ThreadPoolExecutor, wait
         if self._helper is None:
             self._helper = ThreadPoolExecutor(1, thread_name_prefix="simpledbi-forward")
-        # The helper waits for the GIL whenever this thread runs Python; by default it would be
-        # granted only after the 5 ms switch interval. Here a waiter gets it within _GIL_HANDOFF.
         interval = sys.getswitchinterval()
         sys.setswitchinterval(_GIL_HANDOFF)
         job = self._helper.submit(self._start_in_helper, launched)
@@ -114,26 +110,19 @@ class Holding:
         batch.append(req)
         c.rows += req.rows
         self.admission.in_progress += req.rows
-        if req.t_publish < c.oldest:
-            c.oldest = req.t_publish
-        if req.t_publish > c.newest:
-            c.newest = req.t_publish
+        c.oldest, c.newest = min(c.oldest, req.t_publish), max(c.newest, req.t_publish)
 
     def _fill(self, batch: List[Request], c: _Collecting) -> None:
-        """Add requests to ``batch``: first those I hold already (in their order: priority,
-        fair turns, age -- overload.Backlog), then what is queued on the socket now. Once
-        the batch is full, what is queued is still taken, up to one more batch (it goes first
-        next time), unless a peer is idle: the socket's queue is short (net.unix.max_dgram_qlen,
-        10 by default), and each request taken from a full one wakes a client blocked in send --
-        at 128 clients, they spent 40% of their time there and the model processes a wake-up
-        per request. Past one batch it goes on as Admission.takes_more says -- everything when
-        order is a decision, past capacity as far as its peers do: a client's request still in
-        the kernel queue gets no turn and no refusal.
+        """Add requests to ``batch``: first those I hold (in overload.Backlog's order), then what
+        is queued on the socket now. Once the batch is full, what is queued is still taken, up to
+        one more batch (it goes first next time), unless a peer is idle: the socket's queue is
+        short (net.unix.max_dgram_qlen, 10 by default), and each request taken from a full one
+        wakes a client blocked in send -- at 128 clients, they spent 40% of their time there and
+        the model processes a wake-up per request. Beyond that, as Admission.takes_more says.
 
         Fair turns (NOTE [overload]): while clients just answered may still send, a client's
-        second and later requests are held back until the batch closes -- a client just
-        answered gets its turn in the next batch if it sends again while the batch collects, not
-        the one after -- and then top the batch up (_top_up)."""
+        second and later requests wait in the backlog until the batch closes, then top it up
+        (_top_up): a client just answered gets its turn in the next batch, not the one after."""
         c.waiting = 0
         backlog, intake = self.backlog, self.intake
         if backlog.rows > c.limit and self._peer_free():
@@ -200,10 +189,9 @@ class Holding:
         return c.key is None or r.kind == c.kind and r.rows <= c.limit - c.rows
 
     def _from_backlog(self, batch: List[Request], c: _Collecting) -> None:
-        """Fill ``batch`` from the backlog in its order (overload.Backlog: priority, then fair
-        turns per client process, then arrival) while it has room; requests of another kind keep
-        their places for a later batch. A client's second turns stay back while clients just
-        answered may still send (_expect_returns)."""
+        """Fill ``batch`` from the backlog in its order while it has room; requests of another
+        kind keep their places. Second turns stay back while clients just answered may still
+        send (_expect_returns)."""
         backlog = self.backlog
         hold = backlog.repeats > 0 and bool(self._returning) and time.monotonic() < self._hold_until
         aside = []
@@ -223,15 +211,12 @@ class Holding:
             backlog.restore(entry)
 
     def _expect_returns(self, batch: List[Request]) -> None:
-        """Some client has several requests waiting: the clients just answered with one call in
-        this batch and none waiting (one call at a time, by all signs) are likely to send again
-        soon; the next batch holds their turn for up to wait_time, rather than give it to a
-        second turn of a busier client. CPU models only: on a GPU the next batch is collected
-        while the device runs this one, and holding it halved the throughput of 256 callers
-        (the device waited for the hold)."""
-        counts: Dict[int, int] = {}
-        for r in batch:
-            counts[r.pid] = counts.get(r.pid, 0) + 1
+        """Some client has several requests waiting: the clients with one call in this batch and
+        none waiting (one call at a time, by all signs) will likely send again soon, so the next
+        batch holds their turn for up to wait_time rather than give it to a busier client's
+        second turn. CPU models only: on a GPU the next batch is collected while the device runs
+        this one, and holding it halved the throughput of 256 callers (the device waited)."""
+        counts = Counter(r.pid for r in batch)
         waiting = self.backlog.clients()
         self._returning = {pid for pid, n in counts.items() if n == 1 and pid not in waiting}
         # Not the learned turnaround: it is mostly the busy clients' own (measured: holding for

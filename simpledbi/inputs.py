@@ -94,11 +94,8 @@ def _is_torch(x) -> bool:
 
 
 class Inputs:
-    """Input checking of SharedModel (a mixin: the handle's state)."""
-
     def _set_inputs(self, h) -> None:
-        """max_shapes, dtypes and input names of this client, from its arguments and what the
-        model of ``h`` declares (_client_inputs)."""
+        """This client's max_shapes, dtypes and input names (_client_inputs)."""
         max_shape, dtype = self._args
         max_batch = int(h.ctl.hdr["max_batch"])
         declared = _declared_inputs(h.ctl)

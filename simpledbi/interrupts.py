@@ -2,24 +2,20 @@
 
 NOTE [Ctrl-C and children]
 --------------------------
-Ctrl-C sends SIGINT to the whole foreground process group, children included. A spawned child
-spends its first second or two unpickling its arguments, which imports the user's main module
-and torch; a SIGINT then raised KeyboardInterrupt inside those imports and each child printed a
-traceback (three or four of them for the sample) although the main process cleans everything
-up. A child's entry point can only ignore SIGINT once it runs, after those imports. So the main
-process starts each child with SIGINT blocked (the signal mask survives fork and exec), and the
-child's entry point ignores SIGINT before it unblocks it. The main process alone decides when
-children stop.
+Ctrl-C sends SIGINT to the whole foreground process group. A spawned child spends its first
+second or two unpickling its arguments (importing the user's main module and torch); a SIGINT
+then raised KeyboardInterrupt there and each child printed a traceback, although the main process
+cleans everything up. A child's entry point runs only after those imports, so the main process
+starts each child with SIGINT blocked (the mask survives fork and exec), and the entry point
+ignores SIGINT before it unblocks it. The main process alone decides when children stop.
 
-Blocking SIGINT in the starting thread does not hold a Ctrl-C back from Python, though: once the
-process has another thread (the log relay, the supervisor), the kernel hands the signal to that
-thread, and CPython raises KeyboardInterrupt in the main thread at its next bytecode -- inside
-``Process.start()``: between spawning the child and writing its bootstrap data (the child dies
-printing "EOFError: Ran out of input"), or after it runs but before the runtime has recorded it
-(shutdown then neither stops nor joins it). So while the block lasts, the main thread's SIGINT
-handler only takes note, and the Ctrl-C is raised when the block ends -- after ``start()``.
-Callers should record the child inside the block, so that shutdown knows it before a
-KeyboardInterrupt can come.
+Blocking SIGINT in the starting thread does not hold a Ctrl-C back from Python, though: the kernel
+hands it to another thread (the log relay, the supervisor), and CPython raises KeyboardInterrupt
+in the main thread at its next bytecode -- inside ``Process.start()``, between spawning the child
+and writing its bootstrap data (the child dies printing "EOFError: Ran out of input"), or before
+the runtime recorded the child (shutdown then neither stops nor joins it). So while the block
+lasts, the main thread's SIGINT handler only takes note, and the Ctrl-C is raised when the block
+ends. Callers record the child inside the block, so that shutdown knows it by then.
 """
 from __future__ import annotations
 

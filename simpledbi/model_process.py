@@ -24,6 +24,7 @@ import signal
 import time
 import traceback
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Dict, List, Optional
 
 import numpy as np
@@ -124,7 +125,6 @@ def model_process_main(spec: ModelProcessSpec, conn, sock, ctl_fd) -> None:
 class _InFlight:
     batch: List[Request]
     t_close: float
-    gather: object = None
     launched: object = None
     error: Optional[BaseException] = None
     completed: bool = False
@@ -139,14 +139,13 @@ class ModelServer(Holding):
         from .engine import Engine, Gather  # torch is imported only in model processes
         self._Gather = Gather
         self.spec = spec
-        self.cfg = cfg = spec.config
+        cfg = spec.config
         self.me = spec.instance
-        self.pid = os.getpid()
         self.tag = f"<{cfg.name}|{self.me}>"
         self.poll = spec.options.poll_interval
         self.ctl = ControlBlock.attach(spec.namespace, cfg.name, readonly=False, fd=ctl_fd)
         inst = self.ctl.all_instances[self.me]
-        inst["pid"], inst["t_start"] = self.pid, time.time()
+        inst["pid"], inst["t_start"] = os.getpid(), time.time()
         self.engine = Engine(cfg, self.me % cfg.model_num, spec.cpu_model_procs)
         dev = self.engine.device
         inst["device"] = -1 if dev.type == "cpu" else (dev.index or 0)
@@ -156,9 +155,8 @@ class ModelServer(Holding):
         self.costs = batching.CostModel()
         self.arrivals = batching.RateMeter()
         self.turnaround = batching.Ema()   # seconds from an answer to that client's next request
-        dtypes = None
-        if cfg.input_shapes and cfg.input_dtypes:
-            dtypes = tuple(np.dtype(d) for d in cfg.input_dtypes)
+        dtypes = (tuple(np.dtype(d) for d in cfg.input_dtypes)
+                  if cfg.input_shapes and cfg.input_dtypes else None)
         limits = Limits(self.max_batch, len(cfg.input_shapes) if cfg.input_shapes else None, dtypes,
                         names=self.engine.input_names)
         self.intake = Intake(sock, self.ctl, self.me, limits, cfg.max_clients,
@@ -171,8 +169,8 @@ class ModelServer(Holding):
         self.answers = Answers(self.tag, self.me, self.engine, self._gather, self._release,
                                self.acct.add, cfg.isolate_errors)
         # taken, not batched yet (another kind / no room), and the refusals past capacity
-        self.admission = Admission(self.ctl, self.me, OverloadLimits(cfg.max_queue, cfg.default_timeout),
-                                   self.answers.fail, self.acct.add)
+        self.admission = Admission(self.ctl, self.me, OverloadLimits(cfg.max_queue), self.answers.fail,
+                                   self.acct.add)
         self.backlog = self.admission.backlog
         self._open: Dict[int, Request] = {}    # id -> every request taken and not answered yet
         self._accounting_failed = False
@@ -187,7 +185,6 @@ class ModelServer(Holding):
         self._inst_words = words(self.ctl.all_instances[self.me:self.me + 1])
         self._inst_words[_I_FREE] = 0
         self._free = self.ctl.all_instances["free"]   # mine is 0 whenever I look at it
-        self._graphs_shown = 0    # CUDA graphs ready, as the instance row shows them
         self.retiring = False     # a rolling reload replaced me: finish what I hold, then exit
         self._launch_ema = 0.0    # host seconds to enqueue a forward pass (EMA)
         self._forward_ema = 0.0   # device seconds of a forward pass (EMA)
@@ -206,7 +203,7 @@ class ModelServer(Holding):
                     logger.warning("%s CUDA graph capture failed; running eagerly", self.tag,
                                    exc_info=True)
         self._last_maintenance = time.monotonic()
-        inst["graphs"] = self._graphs_shown = self.engine.graph_count
+        inst["graphs"] = self._graphs_shown = self.engine.graph_total   # as the instance row shows them
         if inst["state"] != INST_RETIRING:  # replaced by a reload while loading: it stays retiring
             inst["state"] = INST_READY
 
@@ -235,10 +232,7 @@ class ModelServer(Holding):
         separate stream at once. Then either k is answered and k+1's forward launched, or -- when
         launching is cheap next to the device time (CUDA graphs, big batches) -- k+1's forward is
         launched first so the device never waits. At most two batches are unfinished at any time
-        (two buffer sets); on the CPU every batch is computed and answered in turn.
-
-        Every step runs under a catch-all: whatever goes wrong fails the requests it concerns
-        with a typed error, and the loop goes on."""
+        (two buffer sets); on the CPU every batch is computed and answered in turn."""
         inflight: Optional[_InFlight] = None
         hdr_words, inst_words = self._hdr_words, self._inst_words
         while not self.answers.fatal:
@@ -298,8 +292,7 @@ class ModelServer(Holding):
         self.answers.fail(list(self._open.values()), ST_STOPPED, "the model process is stopping")
 
     def _idle_wait(self) -> bool:
-        """Nothing held, nothing running: sleep on the socket for up to a poll interval (False:
-        this process should exit)."""
+        """Nothing held or running: sleep on the socket for up to a poll interval (False: exit)."""
         self._inst_words[_I_FREE] = 1
         self.admission.room = self.max_batch   # what comes now starts a batch
         try:
@@ -390,8 +383,7 @@ class ModelServer(Holding):
         if req.seq == peer.answered_seq + 1:  # its last request was answered by me: a sample
             self.turnaround.add(min(max(req.t_publish - peer.answered_at, 0.0), 0.1))
         self.arrivals.add(req.rows, req.t_seen)
-        if self._returning:
-            self._returning.discard(req.pid)   # back: the batch need hold its turn no longer
+        self._returning.discard(req.pid)   # back: the batch need hold its turn no longer
         return self.admission.take(req)
 
     def _release(self, req: Request) -> None:
@@ -457,10 +449,10 @@ class ModelServer(Holding):
                             names=first.names)
 
     def _stage(self, batch: List[Request]) -> _InFlight:
-        flight = _InFlight(batch, time.monotonic(), self._gather(batch),
-                           backlogged=sum(r.rows for r in batch) >= self.max_batch)
+        flight = _InFlight(batch, time.monotonic(), backlogged=sum(r.rows for r in batch) >= self.max_batch)
+        gather = self._gather(batch)
         try:
-            flight.launched = self.engine.stage(flight.gather)
+            flight.launched = self.engine.stage(gather)
         except Exception as e:  # noqa: BLE001
             flight.error = e
         return flight
@@ -505,15 +497,14 @@ class ModelServer(Holding):
             except Exception as e:  # noqa: BLE001
                 error = e
         t_scatter = time.monotonic()
-
-        def count():  # after the answers are written, before anyone is woken (Answers.batch):
-            self.acct.count(batch, total)   # a caller's stats() after its answer includes it
-
+        # counted after the answers are written, before anyone is woken (Answers.batch): a
+        # caller's stats() after its answer includes it
+        count = partial(self.acct.count, batch, total)
         if error is not None:
             self.answers.failure(batch, error, t_close)
             count()
         else:
-            self.answers.batch(batch, result, t_close, total, flight.gather.short, count)
+            self.answers.batch(batch, result, t_close, total, count)
         if self.backlog.repeats and not self.engine.cuda:
             self._expect_returns(batch)
         # what the callers do not wait for: the batch's times, histograms and cost sample

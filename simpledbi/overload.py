@@ -21,16 +21,15 @@ still runs. A model process therefore decides, for each request it takes from th
   answered, the batch after it holds room for it (up to ``wait_time``; ModelServer._expect_returns):
   otherwise a busier client's second turn would take its place every other batch.
 
-To see what waits, a model process takes every queued datagram off the socket, not one batch
-ahead, when it is the model's only process or callers send priorities or the queue is bounded
-(a request still in the kernel queue gets no turn and no answer); with several processes and
-callers that set deadlines, it takes more while its backlog is within a batch of its least
-loaded peer's (past capacity they all grow); otherwise it stays at one batch ahead, since what
-one process takes the others cannot (Admission.takes_more; Intake.hand_back gives an idle peer
-what a busy one holds beyond its next batch). With callers that set deadlines it keeps taking
-them while the device runs a batch (a CPU model's forward pass then runs on a helper thread), so
-with one model process most refusals come within a fraction of a millisecond of the call, not
-after the batch ahead (with several, what waits in the socket's queue is refused only once
+To see what waits, a model process takes every queued datagram off the socket when it is the
+model's only process, callers send priorities or the queue is bounded (a request still in the
+kernel's queue gets no turn and no refusal); with several processes and callers that set
+deadlines, while its backlog is within a batch of its least loaded peer's; otherwise one batch
+ahead, since what one process takes the others cannot (Admission.takes_more; Intake.hand_back
+gives an idle peer what a busy one holds beyond its next batch). With callers that set
+deadlines it keeps taking them while the device runs a batch (a CPU model's forward pass then
+runs on a helper thread): with one model process most refusals come within a fraction of a
+millisecond of the call (with several, what waits in the socket's queue is refused only once
 taken: README, Known limits).
 
 **The client refuses first when it can.** Each model process publishes in its instance row how
@@ -78,14 +77,12 @@ REASONS = ("deadline", "queue")
 class Limits:
     """What a model's overload policy is configured with (``ModelConfig``)."""
 
-    max_queue: Optional[int] = None          # requests waiting across the model's processes
-    default_timeout: Optional[float] = None  # seconds, for calls that give none
+    max_queue: Optional[int] = None   # requests waiting across the model's processes
 
 
 @dataclass(frozen=True)
 class Refusal:
-    """Why a request is refused: ``reason`` (one of REASONS) and the wait it was expected to
-    have (seconds; 0 when unknown)."""
+    """Why a request is refused (one of REASONS) and its expected wait (seconds; 0: unknown)."""
 
     reason: str
     expected_wait: float = 0.0
@@ -193,7 +190,7 @@ class Backlog:
     still ahead) or, for a client with nothing waiting, the queue's virtual time (the tag of
     the last request taken) -- and requests leave by (higher priority, lower tag, arrival).
     O(log n) a request. Tallies its decisions read in O(1): rows per priority, rows per
-    (priority, client), requests with a deadline, clients with several requests waiting."""
+    (priority, client), clients with several requests waiting."""
 
     def __init__(self):
         self._heap: List = []                         # (-priority, tag, arrival, request)
@@ -202,7 +199,6 @@ class Backlog:
         self._finish: Dict[Tuple[int, int], int] = {}  # (priority, pid) -> its next free tag
         self._gone: set = set()                       # ids removed from the middle (lazily)
         self.rows = 0
-        self.with_deadline = 0
         self.repeats = 0                              # clients with 2+ requests waiting
         self._prio_rows: Dict[int, int] = {}
         self._prio_clients: Dict[int, int] = {}       # priority -> clients with requests waiting
@@ -210,9 +206,6 @@ class Backlog:
 
     def __len__(self) -> int:
         return len(self._heap) - len(self._gone)
-
-    def __bool__(self) -> bool:
-        return len(self._heap) > len(self._gone)
 
     @property
     def items(self) -> List:
@@ -264,10 +257,7 @@ class Backlog:
 
     def take_all(self) -> List:
         """Every request, in the order they go; the backlog is left empty."""
-        out = []
-        while self:
-            out.append(self.pop())
-        return out
+        return [self.pop() for _ in range(len(self))]
 
     def remove(self, r) -> None:
         """Take ``r`` out from anywhere (a refused request)."""
@@ -283,8 +273,6 @@ class Backlog:
         p = r.priority
         self.rows += sign * r.rows
         self._prio_rows[p] = self._prio_rows.get(p, 0) + sign * r.rows
-        if r.deadline > 0.0:
-            self.with_deadline += sign
         key = (p, r.pid)
         c = self._client.get(key)
         if c is None:
@@ -332,11 +320,10 @@ def admit(now: float, deadline: float, rows_ahead: int, rate: ServiceRate,
     """None to take the request, or why not: a request with a deadline (> 0) that would be
     answered after it, given ``rows_ahead``, the learned rate and the rows per second of higher
     priorities that will go before it (``overtaking``)."""
-    if deadline <= 0.0:
-        return None
-    wait = rate.wait(rows_ahead, overtaking)
-    if now + wait > deadline:
-        return Refusal("deadline", wait)
+    if deadline > 0.0:
+        wait = rate.wait(rows_ahead, overtaking)
+        if now + wait > deadline:
+            return Refusal("deadline", wait)
     return None
 
 

@@ -34,11 +34,8 @@ _NOTEBOOK_EXTRA = "pip install 'simpledbi[notebook]'"
 
 # ---------------------------------------------------------------- factories by value
 class ByValue:
-    """A factory the model processes cannot import, pickled by value with cloudpickle.
-
-    Called once in each model process, like any factory. Plain ``pickle.loads`` reads what
-    cloudpickle wrote (it needs cloudpickle importable there, as it is: same environment).
-    """
+    """A factory the model processes cannot import, pickled by value with cloudpickle (plain
+    ``pickle.loads`` reads it where cloudpickle is importable, as in the same environment)."""
 
     def __init__(self, factory: Callable[[], Any], payload: bytes):
         self.payload = payload

@@ -9,7 +9,7 @@ from typing import Optional
 
 import numpy as np
 
-from .layout import B_FIELDS, RING
+from .layout import B_FIELDS, COUNTERS, RING
 
 STAGES = ("queue_wait", "gather", "h2d", "forward", "d2h", "scatter", "runtime")
 
@@ -23,44 +23,35 @@ def batch_records(ctl, since: Optional[float] = None) -> np.ndarray:
         n = min(head, RING)
         if n == 0:
             continue
-        recs = ctl.ring[inst, :n].copy() if head <= RING else np.roll(ctl.ring[inst], -(head % RING), axis=0).copy()
-        out.append(recs)
+        out.append(ctl.ring[inst, :n] if head <= RING else np.roll(ctl.ring[inst], -(head % RING), axis=0))
     if not out:
         return np.zeros((0, len(B_FIELDS)))
-    recs = np.concatenate(out)
+    recs = np.concatenate(out)   # a copy: the ring goes on
     return recs if since is None else recs[recs[:, B_FIELDS.index("t_close")] >= since]
 
 
 def summarize(ctl) -> dict:
-    """Counters since start plus mean per-batch stage times (seconds) over the recent batches."""
-    c = ctl.counters
-    requests = int(c["requests"].sum())
-    batches = int(c["batches"].sum())
-    rows = int(c["rows"].sum())
+    """Counters since start (README: ``stats()``) plus mean per-batch stage times (seconds) over
+    the recent batches."""
+    n = {name: int(ctl.counters[name].sum()) for name in COUNTERS.names if name != "reserved"}
+    batches = n["batches"]
     out = {
-        "requests": requests,
+        "requests": n["requests"],
         "batches": batches,
-        "rows": rows,
-        "errors": int(c["errors"].sum()),
-        "isolated_batches": int(c["isolated"].sum()),
-        "bad_requests": int(c["bad_requests"].sum()),
-        # requests whose caller took them back (timeout, close, a cancelled task) before any
-        # model process got to them: they never reached the model
-        "withdrawn": int(c["withdrawn"].sum()),
-        # requests whose caller's deadline had passed when their batch closed: never run
-        "expired": int(c["expired"].sum()),
-        # refused at once with Overloaded (NOTE [overload]), by reason: it could not be answered
-        # within its deadline, or max_queue requests were waiting; never run
-        "rejected": {"deadline": int(c["shed_deadline"].sum()), "queue": int(c["shed_queue"].sum())},
-        # answered later than ModelConfig.latency_target (0 when no target is set)
-        "over_target": int(c["over_target"].sum()),
+        "rows": n["rows"],
+        "errors": n["errors"],
+        "isolated_batches": n["isolated"],
+        "bad_requests": n["bad_requests"],
+        "withdrawn": n["withdrawn"],   # taken back before a model process got to them: never run
+        "expired": n["expired"],       # its caller's timeout passed before its batch ran: never run
+        "rejected": {"deadline": n["shed_deadline"], "queue": n["shed_queue"]},   # NOTE [overload]
+        "over_target": n["over_target"],   # answered later than ModelConfig.latency_target
         "restarts": int(ctl.all_instances["restarts"].sum()),
         "cuda_graphs": int(ctl.instances["graphs"].sum()),   # captured (item shape, batch size) pairs
-        "mean_batch_size": rows / batches if batches else 0.0,
-        "mean_requests_per_batch": requests / batches if batches else 0.0,
+        "mean_batch_size": n["rows"] / batches if batches else 0.0,
+        "mean_requests_per_batch": n["requests"] / batches if batches else 0.0,
     }
     recs = batch_records(ctl)
     for stage in STAGES:
-        col = recs[:, B_FIELDS.index(stage)] if len(recs) else np.zeros(0)
-        out[f"mean_{stage}_s"] = float(col.mean()) if col.size else 0.0
+        out[f"mean_{stage}_s"] = float(recs[:, B_FIELDS.index(stage)].mean()) if len(recs) else 0.0
     return out

@@ -14,9 +14,6 @@ from .worker import worker_main
 
 
 class Workers:
-    """``Runtime.run_workers`` (a mixin of Runtime)."""
-
-    # ------------------------------------------------------------ workers
     def run_workers(self, target: Callable, worker_num: int, args=(), kwargs=None) -> List[Any]:
         kwargs = dict(kwargs or {})
         conns = {}

@@ -192,15 +192,6 @@ def test_backlog_tallies_and_rows_ahead():
     assert b.rows_ahead(pid=1, priority=0, rows=1) == 0
 
 
-def test_backlog_counts_deadlines():
-    b = Backlog()
-    r = Req(1, 0.0, deadline=5.0)
-    b.add(r)
-    assert b.with_deadline == 1
-    b.remove(r)
-    assert b.with_deadline == 0
-
-
 def test_a_client_arriving_later_takes_its_turn_from_the_virtual_time():
     b = Backlog()
     flood = [Req(9, k * 0.01) for k in range(5)]
