@@ -63,6 +63,10 @@ class Snapshot(NamedTuple):
 #: How many turnarounds after the newest arrival a batch still waits for clients that may send.
 #: 2, 4 and 8 measured the same on the 8-worker command (docs/BENCHMARKS.md, run 16).
 _TURNAROUND_FACTOR = 2.0
+#: With a latency target, a batch closes once waiting longer would leave less than this many
+#: times its estimated compute time before the oldest request's target: the estimate is an
+#: average, and a batch 25% slower than it must still land within the target.
+_COST_MARGIN = 1.25
 
 def decide(s: Snapshot, now: float, cost: Optional[Tuple[float, float]], rate: float,
            p: Policy, limit: Optional[int] = None, turnaround: Optional[float] = None) -> Tuple[bool, float]:
@@ -76,7 +80,7 @@ def decide(s: Snapshot, now: float, cost: Optional[Tuple[float, float]], rate: f
     budget = s.oldest + p.wait_time - now
     if p.latency_target is not None and cost is not None:
         fixed, per_row = cost
-        budget = min(budget, s.oldest + p.latency_target - now - 1.25 * (fixed + per_row * limit))
+        budget = min(budget, s.oldest + p.latency_target - now - _COST_MARGIN * (fixed + per_row * limit))
     if budget <= MIN_WAIT:
         return True, 0.0
     if not p.adaptive or s.device_busy:

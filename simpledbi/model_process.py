@@ -45,6 +45,10 @@ from .shm import inherited_fd
 from .slots import Limits, Peer, Request
 
 logger = logging.getLogger(__name__)
+#: A client's turnaround (answered -> next request) counts at most this long: a client that
+#: paused (between jobs, asleep) says nothing about how soon busy clients send again, and one such
+#: sample would make batches wait for clients that are not coming.
+_TURNAROUND_CAP = 0.1
 _H_STATE = HEADER.fields["state"][1] // 8
 _I_STATE, _I_FREE = (INSTANCE.fields[n][1] // 8 for n in ("state", "free"))
 
@@ -381,7 +385,7 @@ class ModelServer(Holding):
         self._open[id(req)] = req
         peer = req.peer
         if req.seq == peer.answered_seq + 1:  # its last request was answered by me: a sample
-            self.turnaround.add(min(max(req.t_publish - peer.answered_at, 0.0), 0.1))
+            self.turnaround.add(min(max(req.t_publish - peer.answered_at, 0.0), _TURNAROUND_CAP))
         self.arrivals.add(req.rows, req.t_seen)
         self._returning.discard(req.pid)   # back: the batch need hold its turn no longer
         return self.admission.take(req)

@@ -330,7 +330,14 @@ def test_prometheus_collector_exports_the_runtime_counters():
                 c.forward(np.ones((rows, 3), np.float32))
         registry = prometheus_client.CollectorRegistry()
         registry.register(RuntimeCollector(name))
-        text = prometheus_client.generate_latest(registry).decode()
+        # a batch's histograms are written just after its caller is woken (README): the last
+        # one may land a moment after forward() returned
+        deadline = time.monotonic() + 30
+        while True:
+            text = prometheus_client.generate_latest(registry).decode()
+            if 'simpledbi_request_duration_seconds_count{model="m"} 3.0' in text or time.monotonic() > deadline:
+                break
+            threading.Event().wait(0.01)   # bounded wait on a shared-memory condition
     assert 'simpledbi_request_success_total{model="m"} 3.0' in text
     assert 'simpledbi_inference_count_total{model="m"} 7.0' in text
     assert 'simpledbi_batch_size_bucket{le="2",model="m"} 2.0' in text
