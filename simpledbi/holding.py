@@ -44,6 +44,8 @@ class _Collecting:
 
 
 class Holding:
+    """The batch-filling half of ModelServer (the module docstring says what it covers)."""
+
     def _await_device(self, flight) -> None:
         """With callers that set deadlines: while the device finishes ``flight``, keep taking
         requests off the socket, so that one that cannot make its deadline is refused at once
