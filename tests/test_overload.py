@@ -351,30 +351,36 @@ def test_cancelled_calls_a_model_process_took_do_not_run(start_runtime, gate):
     """Cancelling forward_async tasks whose requests a model process already holds (taken,
     waiting for a batch) drops them at their batch's close: they never run."""
     import asyncio
-    # (a batch takes 0.8 s: the time the cancelled calls' threads have to say so, under load)
-    rt = start_runtime(cpu_model("m", functools.partial(models.sleepy, 0.8, gate.name), max_batch_size=1))
+    rt = start_runtime(cpu_model("m", functools.partial(models.sleepy, 0.01, gate.name), max_batch_size=1))
     m = SharedModel("m", max_shape=(1, 4), namespace=rt.namespace)
+    gated = np.full((1, 4), models.GATE, np.float32)
 
     async def until(cond):
         while not cond():
             await asyncio.sleep(0.005)   # polls a shared-memory condition
 
     async def main():
-        first = asyncio.ensure_future(m.forward_async(np.full((1, 4), models.GATE, np.float32)))
-        await asyncio.get_running_loop().run_in_executor(None, gate.wait_entered)
-        rest = [asyncio.ensure_future(m.forward_async(X * k)) for k in range(2, 6)]
+        loop = asyncio.get_running_loop()
+        first = asyncio.ensure_future(m.forward_async(gated))
+        await loop.run_in_executor(None, gate.wait_entered)
+        rest = [asyncio.ensure_future(m.forward_async(x)) for x in (gated, X * 3, X * 4, X * 5)]
         # all four queued on the socket while the first runs ...
         await until(lambda: sum(slot.queued() for slot in list(m._h.busy)) == 4)
         gate.open()
-        await until(lambda: m.stats()["batches"] >= 1 and _held(m) == 4)   # ... taken at once:
-        for task in rest[1:]:                                              # 2 runs, 3-5 wait
+        await loop.run_in_executor(None, gate.wait_entered)   # ... taken at once: 2 runs (held
+        await until(lambda: _held(m) == 4)                    # at its gate), 3-5 wait
+        for task in rest[1:]:
             task.cancel()
+        # the cancelled calls' threads have told the model process (their slots wait, stale,
+        # for the answers they no longer want) before the batches of 3-5 close
+        await until(lambda: len(m._h.stale) == 3)
+        gate.open()
         got = await asyncio.gather(first, *rest, return_exceptions=True)
         return got
 
     got = asyncio.run(asyncio.wait_for(main(), 60))
-    assert not isinstance(got[0], BaseException), got[0]
-    np.testing.assert_array_equal(got[1], X * 5)
+    np.testing.assert_array_equal(got[0], gated * 2 + 1)
+    np.testing.assert_array_equal(got[1], gated * 2 + 1)
     assert all(isinstance(g, asyncio.CancelledError) for g in got[2:])
     np.testing.assert_array_equal(m.forward(X * 7), X * 15)   # its slots serve again
     s = m.stats()
