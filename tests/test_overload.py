@@ -209,7 +209,9 @@ def test_a_client_with_many_threads_does_not_crowd_out_the_others(start_runtime)
     """16 threads of this process flood the model; 3 other processes make one call at a time.
     Taken in arrival order, this process would get 16 of every 19 answers; with fair turns by
     process, a one-thread client gets about as many answers as the flood in the same time."""
-    rt = start_runtime(cpu_model("m", functools.partial(models.sleepy, 0.005), max_batch_size=4))
+    # (20 ms a batch: a one-thread client's turnaround between its calls, a few ms on a loaded
+    # 2-core machine, stays well inside one batch, as fair turns assume)
+    rt = start_runtime(cpu_model("m", functools.partial(models.sleepy, 0.02), max_batch_size=4))
     ctx = mp.get_context("spawn")
     lights, pipes = [], []
     for _ in range(3):
