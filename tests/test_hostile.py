@@ -6,7 +6,6 @@ process was restarted (except where a test kills one on purpose); with a huge ``
 a lone client's call is not held back by slots nobody uses any more.
 """
 import contextlib
-import fcntl
 import functools
 import os
 import pwd
@@ -23,7 +22,7 @@ import pytest
 
 from simpledbi import ModelError, ModelProcessDied, RuntimeStopped, SharedModel
 from simpledbi import futex, shm
-from simpledbi.layout import (BROKEN, CLOSED_OFF, PUB_SEQ_OFF, REQ_MAGIC, REQ_PREFIX, STOPPING,
+from simpledbi.layout import (BROKEN, PUB_SEQ_OFF, REQ_MAGIC, REQ_PREFIX, STOPPING,
                               socket_path)
 
 from . import models

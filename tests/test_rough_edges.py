@@ -16,10 +16,9 @@ import numpy as np
 import pytest
 
 from simpledbi import RuntimeStopped, SharedModel, naming
-from simpledbi.runtime import Runtime
 
 from . import models
-from .conftest import FAST, cpu_model
+from .conftest import cpu_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

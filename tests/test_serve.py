@@ -8,7 +8,6 @@ import logging
 import os
 import queue
 import secrets
-import select
 import signal
 import subprocess
 import sys
