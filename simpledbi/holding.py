@@ -159,7 +159,7 @@ class Holding:
     def _hand_back(self, keep: int) -> None:
         """A peer is idle while I hold more than my next batch (``keep`` rows): the rest goes
         back to the model's socket, for it (Intake.hand_back). Taking every queued request to
-        see who waits (look_ahead) must not leave the model's other processes without work."""
+        see who waits (Admission.takes_more) must not leave the model's other processes without work."""
         backlog, kept, rows = self.backlog, [], 0
         while backlog and rows < keep:
             kept.append(backlog.pop_entry())
