@@ -71,7 +71,7 @@ class Intake:
         self._layouts: Dict[bytes, Layout] = {}
         self._rcvtimeo = -1.0
         self._held = words(ctl.held[row])                # my HELD rows, as int64 words
-        self._free: List[int] = list(range(ctl.held_cap - 1, -1, -1))
+        self._free: List[int] = list(range(ctl.held.shape[1] - 1, -1, -1))
         self._inst = words(ctl.all_instances[row:row + 1])
         self._all_inst = words(ctl.all_instances)   # every instance row, both banks
         self._held_words = range(_INST_HELD, len(self._all_inst), _INST_WORDS)

@@ -302,7 +302,7 @@ class ModelServer(Holding):
             if self.engine.cuda:
                 self.engine.take_graphs()   # captured off-thread while nothing came
                 self._show_graphs()
-            if self.engine.quiet_work_pending and not self.backlog:
+            if not self.backlog:
                 # Nothing came for a poll interval: now the first run of a batch size costs
                 # no one (NOTE [first batch of a size]). At any lull it stalled the next requests.
                 self.engine.quiet_step()
