@@ -161,8 +161,7 @@ class ModelServer(Holding):
         self.costs = batching.CostModel()
         self.arrivals = batching.RateMeter()
         self.turnaround = batching.Ema()   # seconds from an answer to that client's next request
-        dtypes = (tuple(np.dtype(d) for d in cfg.input_dtypes)
-                  if cfg.input_shapes and cfg.input_dtypes else None)
+        dtypes = tuple(np.dtype(d) for d in cfg.input_dtypes) if cfg.input_dtypes else None   # (shapes too)
         limits = Limits(self.max_batch, len(cfg.input_shapes) if cfg.input_shapes else None, dtypes,
                         names=self.engine.input_names)
         self.acct = Accounting(self.ctl, self.me, self.policy.latency_target)
