@@ -160,7 +160,7 @@ class ModelServer(Holding):
                                       adaptive=cfg.batching == "adaptive")
         self.costs = batching.CostModel()
         self.arrivals = batching.RateMeter()
-        self.turnaround = batching.Ema()   # seconds from an answer to that client's next request
+        self.turnaround: Optional[float] = None   # seconds from an answer to the client's next request (EMA)
         dtypes = tuple(np.dtype(d) for d in cfg.input_dtypes) if cfg.input_dtypes else None   # (shapes too)
         limits = Limits(self.max_batch, len(cfg.input_shapes) if cfg.input_shapes else None, dtypes,
                         names=self.engine.input_names)
@@ -375,7 +375,8 @@ class ModelServer(Holding):
         self._open[id(req)] = req
         peer = req.peer
         if req.seq == peer.answered_seq + 1:  # its last request was answered by me: a sample
-            self.turnaround.add(min(max(req.t_publish - peer.answered_at, 0.0), _TURNAROUND_CAP))
+            x, t = min(max(req.t_publish - peer.answered_at, 0.0), _TURNAROUND_CAP), self.turnaround
+            self.turnaround = x if t is None else t + 0.05 * (x - t)
         self.arrivals.add(req.rows, req.t_seen)
         self._returning.discard(req.pid)   # back: the batch need hold its turn no longer
         return self.admission.take(req)
@@ -418,7 +419,7 @@ class ModelServer(Holding):
             else:
                 snap = batching.Snapshot(c.rows, c.oldest, c.waiting, may, device_busy, c.newest)
                 close, wait = batching.decide(snap, now, costs.fit(c.key), arrivals.rate(now), policy,
-                                              c.limit, self.turnaround.value)
+                                              c.limit, self.turnaround)
             if close or (device_busy and self._peer_free()) or intake.full:
                 break
             if device_busy:
