@@ -281,6 +281,7 @@ class Intake:
 
     def close(self) -> None:
         for peer in self.peers.values():
+            self.on_drop(peer)
             peer.close()
         self.peers.clear()
         for view in (self._held, self._inst, self._all_inst):

@@ -319,9 +319,6 @@ class ModelServer(Holding):
         if self._done_r >= 0:
             os.close(self._done_r)
             os.close(self._done_w)
-        self.intake.prune()
-        for peer in list(self.intake.peers.values()):
-            self._unregister(peer)
         self.intake.close()
         try:
             self.engine.close()
