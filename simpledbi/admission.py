@@ -41,19 +41,16 @@ class Admission:
         self.room = 0          # requests of the backlog the batch being collected will take
 
     def takes_more(self, limit: int) -> bool:
-        """Take requests off the socket beyond the next batch and one more (``limit`` rows)? All
-        that are queued when this is the model's only process, callers send priorities or the
-        queue is bounded (NOTE [overload]) -- not with several processes for fair turns or
-        deadlines alone: what one takes, the others cannot (measured on an H200: 256 callers got
-        half the throughput, and with deadlines the p99 at capacity tripled; Intake.hand_back only
-        evens it out a few requests at a time). With several processes and callers that set
-        deadlines, while my backlog is less than a batch
-        beyond the least of my serving peers': past capacity every backlog then grows, so more is
-        refused when taken and every process publishes a queue for clients to refuse by; below
-        capacity none holds more than a batch beyond what an idle peer would take. (ResNet-50 at
-        2x on an H100, run 35: refusals within 1 ms went from 0.4-2.7% to 4-10%; most still come
-        tens of ms after the call, from requests that waited in the socket's queue or blocked
-        sending to it.)"""
+        """Take requests off the socket beyond the next batch and one more (``limit`` rows)? When,
+        NOTE [overload] says. Not with several processes for fair turns or deadlines alone: what
+        one takes, the others cannot (measured on an H200: 256 callers got half the throughput,
+        and with deadlines the p99 at capacity tripled; Intake.hand_back only evens it out a few
+        requests at a time). With deadlines, within a batch of the least loaded peer: past
+        capacity every backlog then grows, so more is refused when taken and every process
+        publishes a queue for clients to refuse by; below capacity none holds more than a batch
+        beyond what an idle peer would take (ResNet-50 at 2x on an H100, run 35: refusals within
+        1 ms went from 0.4-2.7% to 4-10%; most still come tens of ms after the call, from requests
+        that waited in the socket's queue or blocked sending to it)."""
         return self.alone or self.priorities_seen or self.limits.max_queue is not None or (
             self.deadlines_seen and len(self.backlog) < min(self._peer_queues(), default=0) + limit)
 

@@ -64,10 +64,8 @@ class Holding:
         self.admission.publish()
 
     def _compute_while_taking(self, launched) -> None:
-        """A CPU model past capacity, with callers that set deadlines: its forward pass runs on
-        a helper thread while this one keeps taking requests off the socket (asleep in select()
-        until one comes or the helper writes its pipe), so that one that cannot make its deadline
-        is refused at once, not after this batch (NOTE [overload])."""
+        """_await_device for a CPU model past capacity: its forward pass runs on a helper thread
+        while this one takes requests (asleep in select() until one comes or the helper's byte)."""
         from concurrent.futures import ThreadPoolExecutor, wait
         if self._helper is None:
             self._helper = ThreadPoolExecutor(1, thread_name_prefix="simpledbi-forward")
