@@ -217,18 +217,19 @@ class ModelServer(Holding):
         while True:
             if int(self.ctl.hdr["bank"]) & 1 == mine:
                 return True
-            if self._inst_words[_I_STATE] == INST_RETIRING or self._hdr_words[_H_STATE] in (STOPPING, BROKEN) or \
-                    os.getppid() != self.spec.parent_pid:
+            if self._inst_words[_I_STATE] == INST_RETIRING or \
+                    self._hdr_words[_H_STATE] in (STOPPING, BROKEN) or os.getppid() != self.spec.parent_pid:
                 return False
             time.sleep(0.005)
 
     def serve(self) -> None:
-        """(Under torch.inference_mode.) NOTE [pipelining]: on CUDA, batch k+1 is collected while batch k runs on the device
-        (it closes early if the device goes idle), and its host->device copies are enqueued on a
-        separate stream at once. Then either k is answered and k+1's forward launched, or -- when
-        launching is cheap next to the device time (CUDA graphs, big batches) -- k+1's forward is
-        launched first so the device never waits. At most two batches are unfinished at any time
-        (two buffer sets); on the CPU every batch is computed and answered in turn."""
+        """The batch loop (under torch.inference_mode). NOTE [pipelining]: on CUDA, batch k+1 is
+        collected while batch k runs on the device (it closes early if the device goes idle), and
+        its host->device copies are enqueued on a separate stream at once. Then either k is
+        answered and k+1's forward launched, or -- when launching is cheap next to the device time
+        (CUDA graphs, big batches) -- k+1's forward is launched first so the device never waits.
+        At most two batches are unfinished at any time (two buffer sets); on the CPU every batch
+        is computed and answered in turn."""
         inflight: Optional[_InFlight] = None
         hdr_words, inst_words = self._hdr_words, self._inst_words
         while not self.answers.fatal:

@@ -51,7 +51,8 @@ class Reloads:
                         model, source, self.ctx.get_start_method()))
             ctl = self.ctls[model]
             if ctl.state != RUNNING:
-                raise RuntimeError(f"reload {model!r}: the model is {STATE_NAMES.get(ctl.state, ctl.state)}, not running")
+                raise RuntimeError(f"reload {model!r}: the model is "
+                                   f"{STATE_NAMES.get(ctl.state, ctl.state)}, not running")
             n = cfg.model_num
             bank = 1 - (int(ctl.hdr["bank"]) & 1)
             rows = range(bank * n, (bank + 1) * n)

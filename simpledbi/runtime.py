@@ -53,9 +53,7 @@ class Runtime(Supervision, Reloads, Workers):
 
     def __init__(self, models: Sequence[ModelConfig], options: Optional[RuntimeOptions] = None,
                  start_method: str = "spawn", *, name: Optional[str] = None):
-        if isinstance(models, ModelConfig):
-            models = [models]
-        models = list(models)
+        models = [models] if isinstance(models, ModelConfig) else list(models)
         if not models or not all(isinstance(m, ModelConfig) for m in models):
             raise TypeError(f"models: expected a non-empty list of ModelConfig, got {models!r}")
         names = [m.name for m in models]
