@@ -40,25 +40,19 @@ class Admission:
         self.in_progress = 0   # rows in batches collected or running, not answered: they go first
         self.room = 0          # requests of the backlog the batch being collected will take
 
-    @property
-    def look_ahead(self) -> bool:
-        """Take every queued request off the socket, not one batch's worth (NOTE [overload])? Not
-        with several processes for fair turns or deadlines alone: what one takes, the others
-        cannot (measured on an H200: 256 callers got half the throughput, and with deadlines the
-        p99 at capacity tripled; Intake.hand_back only evens it out a few requests at a time)."""
-        return self.alone or self.priorities_seen or self.limits.max_queue is not None
-
     def takes_more(self, limit: int) -> bool:
-        """Take requests off the socket beyond the next batch and one more (``limit`` rows)? With
-        several processes and callers that set deadlines, while my backlog is less than a batch
-        beyond the least of my serving peers': past capacity every backlog then grows, so more is
-        refused when taken and every process publishes a queue for clients to refuse by; below
-        capacity none holds more than a batch beyond what an idle peer would take. (ResNet-50 at
-        2x on an H100, run 35: refusals within 1 ms went from 0.4-2.7% to 4-10%; most still come
-        tens of ms after the call, from requests that waited in the socket's queue or blocked
-        sending to it.)"""
-        return self.look_ahead or (self.deadlines_seen and
-                                   len(self.backlog) < min(self._peer_queues(), default=0) + limit)
+        """Take requests off the socket beyond the next batch and one more (``limit`` rows)? When,
+        NOTE [overload] says. Not with several processes for fair turns or deadlines alone: what
+        one takes, the others cannot (measured on an H200: 256 callers got half the throughput,
+        and with deadlines the p99 at capacity tripled; Intake.hand_back only evens it out a few
+        requests at a time). With deadlines, within a batch of the least loaded peer: past
+        capacity every backlog then grows, so more is refused when taken and every process
+        publishes a queue for clients to refuse by; below capacity none holds more than a batch
+        beyond what an idle peer would take (ResNet-50 at 2x on an H100, run 35: refusals within
+        1 ms went from 0.4-2.7% to 4-10%; most still come tens of ms after the call, from requests
+        that waited in the socket's queue or blocked sending to it)."""
+        return self.alone or self.priorities_seen or self.limits.max_queue is not None or (
+            self.deadlines_seen and len(self.backlog) < min(self._peer_queues(), default=0) + limit)
 
     def take(self, req: Request) -> bool:
         """A request arrived: True to keep it (the caller batches it or adds it to the backlog),
@@ -82,8 +76,8 @@ class Admission:
         # collected has room for goes at once, whatever waits at the other processes
         if self.limits.max_queue is not None and len(self.backlog) >= self.room and \
                 queue_full(self.limits, self.waiting()):
-            victim = self._outranked_by(req)
-            if victim is None:
+            victim = self.backlog.lowest() if self.backlog else None
+            if victim is None or victim.priority >= req.priority:
                 self.refuse([req], Refusal("queue"))
                 return False
             self.backlog.remove(victim)
@@ -91,12 +85,6 @@ class Admission:
         if self.priorities_seen:
             self.arrivals.add(req.priority, req.rows, req.t_seen)
         return True
-
-    def _outranked_by(self, req: Request):
-        if not self.backlog:
-            return None
-        victim = self.backlog.lowest()
-        return victim if victim.priority < req.priority else None
 
     def waiting(self) -> int:
         """Requests waiting across the model's serving processes -- taken, and beyond what the
@@ -140,10 +128,6 @@ class Admission:
     def refuse(self, requests: Sequence[Request], why: Refusal) -> None:
         self._fail(requests, ST_OVERLOADED, why.text())
         self._count("shed_" + why.reason, len(requests))
-
-    def batch_done(self, rows: int, t_close: float, t_end: float, backlogged: bool) -> None:
-        self.rate.batch_done(rows, t_close, t_end, backlogged)
-        self.publish()
 
     def publish(self) -> None:
         """My row of the control block: requests waiting here, and a newcomer's expected wait

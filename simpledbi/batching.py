@@ -185,17 +185,6 @@ class CostModel:
         return fit
 
 
-class Ema:
-    """An exponentially weighted mean of samples (None before the first)."""
-
-    def __init__(self, weight: float = 0.05):
-        self.weight = weight
-        self.value: Optional[float] = None
-
-    def add(self, x: float) -> None:
-        self.value = x if self.value is None else self.value + self.weight * (x - self.value)
-
-
 class RateMeter:
     """Rows per second arriving, as an exponentially decayed count over ``tau`` seconds."""
 

@@ -12,12 +12,13 @@ from typing import Any, Callable, Optional, Sequence, Tuple, Union
 
 __all__ = ["ModelConfig", "RuntimeOptions"]
 
-MODEL_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_\-]{0,47}$")  # what a model may be called
+from .layout import MAX_NAMES
+from .naming import NAME_RE as MODEL_NAME_RE   # what a model (like a runtime) may be called
+
 _PRECISIONS = ("float32", "float16", "bfloat16")
 _GATHER_MODES = ("auto", "host", "device")
 _MPS_MODES = ("auto", "on", "off")
 _AUTO_GRAPH_MAX_ROWS = 8
-_MAX_NAMES = 48  # layout.MAX_NAMES (config.py imports nothing of the package)
 
 
 def _check_type(name: str, value: Any, types, expected: str) -> None:
@@ -160,9 +161,9 @@ class ModelConfig:
             if isinstance(self.input_names, str) or not isinstance(self.input_names, (list, tuple)):
                 raise TypeError(f"input_names: expected a list of str, got {self.input_names!r}")
             names = tuple(self.input_names)
-            if not 1 <= len(names) <= _MAX_NAMES or len(set(names)) != len(names) or not all(
+            if not 1 <= len(names) <= MAX_NAMES or len(set(names)) != len(names) or not all(
                     isinstance(n, str) and n.isidentifier() for n in names):
-                raise ValueError(f"input_names: expected 1..{_MAX_NAMES} unique identifiers, got "
+                raise ValueError(f"input_names: expected 1..{MAX_NAMES} unique identifiers, got "
                                  f"{self.input_names!r}")
             if self.input_shapes is not None and len(self.input_shapes) != len(names):
                 raise ValueError(f"input_names: expected one name per entry of input_shapes "

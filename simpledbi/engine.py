@@ -28,11 +28,10 @@ import torch
 
 from .config import ModelConfig
 from .graphs import GraphsAndSizes, signature
-from .layout import MAX_IO, MAX_NAMES, OUT_DICT, OUT_NAMEDTUPLE, OUT_TENSOR, OUT_TUPLE, encode_names
+from .layout import DTYPES, MAX_IO, MAX_NAMES, OUT_DICT, OUT_NAMEDTUPLE, OUT_TENSOR, OUT_TUPLE, encode_names
 
 logger = logging.getLogger(__name__)
 
-_PRECISION = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _memmove = ctypes.memmove
 
 
@@ -118,7 +117,7 @@ def load_model(cfg: ModelConfig, device: torch.device):
             pass  # torch.export modules refuse .eval(); they were exported in eval mode
         model.to(device)
         if cfg.precision != "float32":
-            model.to(_PRECISION[cfg.precision])
+            model.to(getattr(torch, cfg.precision))
     return model
 
 
@@ -158,7 +157,7 @@ class Engine(GraphsAndSizes):
             torch.cuda.set_device(self.device)
         self.model = load_model(cfg, self.device)
         self.input_names = input_names(cfg, self.model)
-        self.cast = _PRECISION[cfg.precision] if cfg.precision != "float32" else None
+        self.cast = getattr(torch, cfg.precision) if cfg.precision != "float32" else None
         self.gather_mode = cfg.gather if cfg.gather != "auto" else ("device" if self.cuda else "host")
         self._registered = {}                        # address -> size (cudaHostRegister)
         self._init_graphs(cfg)
@@ -211,11 +210,6 @@ class Engine(GraphsAndSizes):
     def _host_buf(self, bs: "_BufferSet", k: int, nbytes: int) -> np.ndarray:
         return _grown(bs.host, k, nbytes, (lambda n: _pinned(n).numpy()) if self.cuda else
                       (lambda n: np.empty(n, np.uint8)))
-
-    def _dev_buf(self, bs: "_BufferSet", k: int, nbytes: int) -> torch.Tensor:
-        # Safe to replace: the set's previous batch was synchronised before the set is reused.
-        # Zeros, not garbage: rows past a batch may be computed as padding (never NaN from here).
-        return _grown(bs.dev, k, nbytes, lambda n: torch.zeros(n, dtype=torch.uint8, device=self.device))
 
     # ------------------------------------------------------------ one batch
     def run_simple(self, g: Gather) -> BatchResult:
@@ -295,8 +289,11 @@ class Engine(GraphsAndSizes):
             for k, (item, dt) in enumerate(zip(g.items, g.dtypes)):
                 sources = g.sources[k]
                 nbytes = sum(src[2] for src in sources)
-                # room for max_batch_size rows: a batch may be padded (NOTE [first batch of a size])
-                dev = self._dev_buf(bs, k, max(nbytes, nbytes // rows * self.cfg.max_batch_size))
+                # Room for max_batch_size rows: a batch may be padded (NOTE [first batch of a size]).
+                # Safe to replace: the set's previous batch was synchronised before the set is reused.
+                # Zeros, not garbage: rows past a batch may be computed as padding (never NaN from here).
+                dev = _grown(bs.dev, k, max(nbytes, nbytes // rows * self.cfg.max_batch_size),
+                             lambda n: torch.zeros(n, dtype=torch.uint8, device=self.device))
                 if self.gather_mode == "device" and all(src[3] for src in sources):
                     self._gather_dma(dev, sources)
                 else:
@@ -325,12 +322,10 @@ class Engine(GraphsAndSizes):
         sig = tuple((tuple(item), np.dtype(dtype), name)
                     for (_, dtype, item), name in zip(launched.staged, names))
         if self._graph_sizes and rows <= self._graph_sizes[-1]:
-            graphs = self._graphs.get(sig)
+            graphs = self._graphs.get(sig, {})
+            fits = [n for n in graphs if n >= rows]
+            graph = graphs[min(fits)] if fits else None
             bucket = min(n for n in self._graph_sizes if n >= rows)
-            if graphs:
-                fits = [n for n in graphs if n >= rows]
-                if fits:
-                    graph = graphs[min(fits)]
             if (graph is None or len(graph.inputs[0]) > bucket) and sig not in self._graph_failed:
                 self._count_use(sig, bucket)
         with torch.cuda.stream(self.stream):
@@ -529,13 +524,7 @@ def _to_numpy(o: torch.Tensor) -> np.ndarray:
     return (o.contiguous() if o.device.type == "cpu" else o.cpu()).numpy()
 
 
-_NP_TO_TORCH = {
-    np.dtype("float32"): torch.float32, np.dtype("float16"): torch.float16,
-    np.dtype("float64"): torch.float64, np.dtype("int64"): torch.int64,
-    np.dtype("int32"): torch.int32, np.dtype("int16"): torch.int16, np.dtype("int8"): torch.int8,
-    np.dtype("uint8"): torch.uint8, np.dtype("bool"): torch.bool,
-    np.dtype("complex64"): torch.complex64,
-}
+_NP_TO_TORCH = {np.dtype(n): getattr(torch, n) for n in DTYPES}   # the dtypes a slot carries
 _TORCH_TO_NP = {v: k for k, v in _NP_TO_TORCH.items()}
 
 

@@ -124,13 +124,8 @@ class GraphsAndSizes:
             self._size_todo.remove(key)
         return rows
 
-    @property
-    def quiet_work_pending(self) -> bool:
-        """Batch sizes to run once: work for a quiet moment."""
-        return bool(self._size_todo)
-
     def quiet_step(self) -> None:
-        """One piece of quiet-time work: run a new batch size once on zeros (so it is never
+        """One piece of quiet-time work, if any: run a new batch size once on zeros (so it is never
         padded again). On the serving thread: cuDNN's plans are cached per thread."""
         if self._size_todo:
             sig, n = self._size_todo.pop(0)

@@ -64,10 +64,8 @@ class Holding:
         self.admission.publish()
 
     def _compute_while_taking(self, launched) -> None:
-        """A CPU model past capacity, with callers that set deadlines: its forward pass runs on
-        a helper thread while this one keeps taking requests off the socket (asleep in select()
-        until one comes or the helper writes its pipe), so that one that cannot make its deadline
-        is refused at once, not after this batch (NOTE [overload])."""
+        """_await_device for a CPU model past capacity: its forward pass runs on a helper thread
+        while this one takes requests (asleep in select() until one comes or the helper's byte)."""
         from concurrent.futures import ThreadPoolExecutor, wait
         if self._helper is None:
             self._helper = ThreadPoolExecutor(1, thread_name_prefix="simpledbi-forward")
@@ -159,7 +157,7 @@ class Holding:
     def _hand_back(self, keep: int) -> None:
         """A peer is idle while I hold more than my next batch (``keep`` rows): the rest goes
         back to the model's socket, for it (Intake.hand_back). Taking every queued request to
-        see who waits (look_ahead) must not leave the model's other processes without work."""
+        see who waits (Admission.takes_more) must not leave the model's other processes without work."""
         backlog, kept, rows = self.backlog, [], 0
         while backlog and rows < keep:
             kept.append(backlog.pop_entry())

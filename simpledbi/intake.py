@@ -20,8 +20,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from .layout import (CLAIM_OFF, FWD_MAGIC, FWD_PREFIX, HELD,
-                     INSTANCE, MAX_DATAGRAM, REQ_MAGIC,
+from .layout import (CLAIM_OFF, FWD_MAGIC, FWD_PREFIX, HELD, INSTANCE, MAX_DATAGRAM, PUB_SEQ_OFF, REQ_MAGIC,
                      REQ_PREFIX, ST_BAD_REQUEST, ST_FULL, WAKE_MAGIC, ControlBlock, words)
 from .shm import pid_alive
 from .slots import BadRequest, Layout, Limits, Peer, Request, check_size, parse_layout
@@ -32,7 +31,7 @@ _CREDS = struct.Struct("iII")     # struct ucred: pid, uid, gid
 _ANC = socket.CMSG_SPACE(_CREDS.size) + socket.CMSG_SPACE(4)
 _MAX_LAYOUTS = 4096               # validated layouts kept (a few per client and shape)
 _HELD_PID, _HELD_WORDS = HELD.fields["pid"][1] // 8, HELD.itemsize // 8
-_INST_PID, _INST_STATE = INSTANCE.fields["pid"][1] // 8, INSTANCE.fields["state"][1] // 8
+_INST_PID, _INST_HELD, _INST_CLIENTS = (INSTANCE.fields[n][1] // 8 for n in ("pid", "held", "clients"))
 _INST_WORDS = INSTANCE.itemsize // 8
 WAKE = object()                   # what next() returns for the runtime's wake-up datagram
 _MAX_PRIORITY = 1000              # SharedModel's bound on priority (a scribbled one is clamped)
@@ -51,10 +50,14 @@ _HOLES_CHECKED = 1 << 20
 
 
 class Intake:
-    """One model process's end of the model's socket and its mappings of client slots."""
+    """One model process's end of the model's socket and its mappings of client slots. Calls
+    ``count`` (accounting's counters), ``on_bad`` (a request rejected), ``on_new_peer`` and
+    ``on_drop`` (before a peer's slot is unmapped)."""
 
     def __init__(self, sock: socket.socket, ctl: ControlBlock, row: int, limits: Limits,
-                 max_clients: int, supervisor_pid: int):
+                 max_clients: int, supervisor_pid: int, count: Callable[..., None],
+                 on_bad: Callable[[Peer, str], None], on_new_peer: Callable[[Peer], None],
+                 on_drop: Callable[[Peer], None]):
         self.sock = sock
         self.address = sock.getsockname()   # the model's socket: where hand-backs go
         self._readable = [sock]
@@ -68,16 +71,11 @@ class Intake:
         self._layouts: Dict[bytes, Layout] = {}
         self._rcvtimeo = -1.0
         self._held = words(ctl.held[row])                # my HELD rows, as int64 words
-        self._free: List[int] = list(range(ctl.held_cap - 1, -1, -1))
+        self._free: List[int] = list(range(ctl.held.shape[1] - 1, -1, -1))
         self._inst = words(ctl.all_instances[row:row + 1])
-        self._held_word = ctl.all_instances.dtype.fields["held"][1] // 8
-        self._clients_word = ctl.all_instances.dtype.fields["clients"][1] // 8
         self._all_inst = words(ctl.all_instances)   # every instance row, both banks
-        self._held_words = range(self._held_word, len(self._all_inst), ctl.all_instances.dtype.itemsize // 8)
-        self.count: Callable[..., None] = lambda name, n=1: None   # accounting's counters
-        self.on_bad: Callable[[Peer, str], None] = lambda peer, text: None
-        self.on_new_peer: Callable[[Peer], None] = lambda peer: None
-        self.on_drop: Callable[[Peer], None] = lambda peer: None   # before a peer's slot is unmapped
+        self._held_words = range(_INST_HELD, len(self._all_inst), _INST_WORDS)
+        self.count, self.on_bad, self.on_new_peer, self.on_drop = count, on_bad, on_new_peer, on_drop
 
     # ------------------------------------------------------------ receiving
     @property
@@ -101,11 +99,7 @@ class Intake:
             try:
                 if timeout <= 0:
                     data, anc, _, _ = self.sock.recvmsg(MAX_DATAGRAM + 1, _ANC, socket.MSG_DONTWAIT)
-                elif precise and timeout < _PRECISE_BELOW:
-                    # A kernel receive timeout counts in scheduler ticks: 0.2 ms slept 8 ms on
-                    # a 250 Hz kernel. select() sleeps on a high-resolution timer (and wakes
-                    # every model process waiting in it: these waits are short, and only a
-                    # busy process makes them).
+                elif precise and timeout < _PRECISE_BELOW:   # (only a busy process waits so)
                     if not select.select(self._readable, (), (), timeout)[0]:
                         return None
                     data, anc, _, _ = self.sock.recvmsg(MAX_DATAGRAM + 1, _ANC, socket.MSG_DONTWAIT)
@@ -127,8 +121,7 @@ class Intake:
                     return None
 
     def _set_timeout(self, seconds: float) -> None:
-        """A kernel timeout on the blocking receive: a receiver blocked in recvmsg is woken alone
-        (an exclusive wait), where a poll() would wake every idle model process per datagram."""
+        """A kernel timeout on the blocking receive (_PRECISE_BELOW: why not select())."""
         seconds = max(seconds, 1e-6)
         if abs(seconds - self._rcvtimeo) > 2e-6:
             sec = int(seconds)
@@ -198,20 +191,21 @@ class Intake:
 
     def _open(self, pid: int, fd_no: int, token: int, fd: Optional[int]) -> Optional[Peer]:
         if len(self.peers) >= self.max_clients:
-            self.prune(self.on_drop)
+            self.prune()
         try:
             peer = Peer(pid, fd_no, token, os.dup(fd) if fd is not None else None)
         except (OSError, ValueError) as e:
             logger.debug("a request of process %d names a slot I cannot use: %s", pid, e)
             return None
         if len(self.peers) >= self.max_clients:
-            if peer.claim(_peek_seq(peer), self.row, self.pid):
-                peer.respond(_peek_seq(peer), ST_FULL, f"all {self.max_clients} client slots of "
+            seq = struct.unpack_from("<q", peer.seg.buf, PUB_SEQ_OFF)[0]
+            if peer.claim(seq, self.row, self.pid):
+                peer.respond(seq, ST_FULL, f"all {self.max_clients} client slots of "
                              f"this model are in use (raise ModelConfig.max_clients)", claimer=self.row)
             peer.close()
             return None
         self.peers[(pid, token)] = peer
-        self._inst[self._clients_word] = len(self.peers)
+        self._inst[_INST_CLIENTS] = len(self.peers)
         self.on_new_peer(peer)
         return peer
 
@@ -224,7 +218,7 @@ class Intake:
         w[base + 2], w[base + _HELD_PID] = req.seq, pid
         req.held = i
         req.peer.inflight += 1
-        self._inst[self._held_word] = self.held
+        self._inst[_INST_HELD] = self.held
 
     def _sibling(self, pid: int) -> bool:
         """Is ``pid`` a model process of this model (either bank, in any state: one that died
@@ -261,7 +255,7 @@ class Intake:
             self._free.append(req.held)
             req.held = -1
             req.peer.inflight -= 1
-            self._inst[self._held_word] = self.held
+            self._inst[_INST_HELD] = self.held
 
     # ------------------------------------------------------------ upkeep
     def may_send(self) -> int:
@@ -270,7 +264,7 @@ class Intake:
         w = self._all_inst
         return max(len(self.peers) - sum([w[i] for i in self._held_words]), 0)
 
-    def prune(self, unregister: Callable[[Peer], None] = lambda p: None) -> None:
+    def prune(self) -> None:
         """Drop the mappings of slots whose client detached or died (none with a request held)."""
         for key, peer in list(self.peers.items()):
             if peer.inflight:
@@ -281,12 +275,13 @@ class Intake:
                 gone = True
             if gone:
                 del self.peers[key]
-                unregister(peer)
+                self.on_drop(peer)
                 peer.close()
-        self._inst[self._clients_word] = len(self.peers)
+        self._inst[_INST_CLIENTS] = len(self.peers)
 
     def close(self) -> None:
         for peer in self.peers.values():
+            self.on_drop(peer)
             peer.close()
         self.peers.clear()
         for view in (self._held, self._inst, self._all_inst):
@@ -298,11 +293,6 @@ def _check_memory(peer: Peer, nbytes: int) -> None:
     if allocated < nbytes:
         raise BadRequest(f"the inputs take {nbytes} bytes but the slot holds only {allocated} bytes "
                          f"of memory (unwritten pages)")
-
-
-def _peek_seq(peer: Peer) -> int:
-    from .layout import PUB_SEQ_OFF
-    return struct.unpack_from("<q", peer.seg.buf, PUB_SEQ_OFF)[0]
 
 
 # ---------------------------------------------------------------- the runtime's side
@@ -321,9 +311,7 @@ def answer_queued(sock: socket.socket, status: int, text: str, most: int = 10000
         for _ in range(most):
             try:
                 data, anc, _, _ = sock.recvmsg(MAX_DATAGRAM + 1, _ANC, socket.MSG_DONTWAIT)
-            except (BlockingIOError, InterruptedError):
-                break
-            except OSError:
+            except OSError:   # nothing queued (BlockingIOError), or the socket is closed
                 break
             pid, uid, fd = _creds(anc)
             try:

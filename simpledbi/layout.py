@@ -180,7 +180,7 @@ class ControlBlock:
 
     def __init__(self, seg: Segment, held: int, model_num: int):
         self.seg = seg
-        self._model_num = model_num
+        self.model_num = model_num
         off = 0
         for k, (dtype, shape, nbytes) in _parts(held, 2 * model_num).items():
             setattr(self, k, seg.ndarray(off, dtype, shape))
@@ -245,21 +245,13 @@ class ControlBlock:
         return int(self.hdr["max_slots"])
 
     @property
-    def held_cap(self) -> int:
-        return self.held.shape[1]
-
-    @property
-    def model_num(self) -> int:
-        return self._model_num
-
-    @property
     def rows(self) -> int:
         """Instance rows: two banks of ``model_num`` (see INSTANCE)."""
         return self.all_instances.shape[0]
 
     def active_rows(self) -> range:
         bank = int(self.hdr["bank"]) & 1
-        return range(bank * self._model_num, (bank + 1) * self._model_num)
+        return range(bank * self.model_num, (bank + 1) * self.model_num)
 
     @property
     def instances(self) -> np.ndarray:
@@ -271,10 +263,6 @@ class ControlBlock:
     @property
     def state(self) -> int:
         return self._hdr_words[_HDR_STATE]
-
-    @property
-    def state_name(self) -> str:
-        return STATE_NAMES.get(self.state, str(self.state))
 
     def message(self) -> str:
         n = min(max(int(self.hdr["msg_len"]), 0), MSG_BYTES)
@@ -314,7 +302,7 @@ class ControlBlock:
         refused by its client, unsent (NOTE [overload])."""
         w, f, bank = self._inst_words, self._inst_floats, self._hdr_words[_HDR_BANK] & 1
         best = None
-        for r in range(bank * self._model_num, (bank + 1) * self._model_num):
+        for r in range(bank * self.model_num, (bank + 1) * self.model_num):
             b = r * _I_ROW
             if w[b + _I_STATE] != INST_READY:
                 continue
@@ -361,13 +349,6 @@ NAMES_OFF = RESP_OFF + RESPONSE.itemsize      # right after the header: one writ
 NAMES_BYTES = RESP_SEQ_OFF - NAMES_OFF
 
 
-def _word_index(dtype: np.dtype) -> dict:
-    """Field name -> index of its first 8-byte word (every field of these records is 8 bytes
-    wide), so a record read as ``int64`` words is decoded with plain list indexing."""
-    assert all(dtype.fields[n][0].base.itemsize == 8 for n in dtype.names)
-    return {n: dtype.fields[n][1] // 8 for n in dtype.names}
-
-
 # ---------------------------------------------------------------- the request datagram
 # One datagram per request, sent to ``<m>.sock``: REQ_PREFIX, then its *layout* (what stays the
 # same while a client sends alike requests: model processes validate a layout once and keep it):
@@ -393,7 +374,9 @@ LAYOUT_HEAD = struct.Struct("<qqq")      # out_offset, flags, n_in
 INPUT_HEAD = struct.Struct("<qqq")       # dtype code, ndim, offset
 MAX_DATAGRAM = REQ_PREFIX.size + LAYOUT_HEAD.size + MAX_IO * (INPUT_HEAD.size + 8 * MAX_NDIM)
 
-RESP_WORD = _word_index(RESPONSE)
+# field name -> index of its first 8-byte word: a response read as int64 words is decoded by indexing
+RESP_WORD = {n: RESPONSE.fields[n][1] // 8 for n in RESPONSE.names}
+assert all(RESPONSE.fields[n][0].base.itemsize == 8 for n in RESPONSE.names)
 ERR_OFF, ERR_BYTES = 4096, 8192
 DATA_OFFSET = ERR_OFF + ERR_BYTES
 assert NAMES_BYTES >= 2048 and RESP_SEQ_OFF + 8 <= ERR_OFF

@@ -118,7 +118,9 @@ def model_process_main(spec: ModelProcessSpec, conn, sock, ctl_fd) -> None:
     logger.debug("%s serving on %s", server.tag, server.engine.device)
     try:
         if not spec.standby or server.await_switch():
-            server.serve()
+            import torch
+            with torch.inference_mode():  # once for the whole loop, not per batch
+                server.serve()
     finally:
         server.close()
     if server.answers.fatal:
@@ -158,18 +160,14 @@ class ModelServer(Holding):
                                       adaptive=cfg.batching == "adaptive")
         self.costs = batching.CostModel()
         self.arrivals = batching.RateMeter()
-        self.turnaround = batching.Ema()   # seconds from an answer to that client's next request
-        dtypes = (tuple(np.dtype(d) for d in cfg.input_dtypes)
-                  if cfg.input_shapes and cfg.input_dtypes else None)
+        self.turnaround: Optional[float] = None   # seconds from an answer to the client's next request (EMA)
+        dtypes = tuple(np.dtype(d) for d in cfg.input_dtypes) if cfg.input_dtypes else None   # (shapes too)
         limits = Limits(self.max_batch, len(cfg.input_shapes) if cfg.input_shapes else None, dtypes,
                         names=self.engine.input_names)
-        self.intake = Intake(sock, self.ctl, self.me, limits, cfg.max_clients,
-                             int(self.ctl.hdr["supervisor_pid"]))
-        self.intake.on_bad = self._on_bad
-        self.intake.on_new_peer = self._register
-        self.intake.on_drop = self._unregister
         self.acct = Accounting(self.ctl, self.me, self.policy.latency_target)
-        self.intake.count = self.acct.add
+        self.intake = Intake(sock, self.ctl, self.me, limits, cfg.max_clients,
+                             int(self.ctl.hdr["supervisor_pid"]), count=self.acct.add, on_bad=self._on_bad,
+                             on_new_peer=self._register, on_drop=self._unregister)
         self.answers = Answers(self.tag, self.me, self.engine, self._gather, self._release,
                                self.acct.add, cfg.isolate_errors)
         # taken, not batched yet (another kind / no room), and the refusals past capacity
@@ -219,24 +217,19 @@ class ModelServer(Holding):
         while True:
             if int(self.ctl.hdr["bank"]) & 1 == mine:
                 return True
-            state = self._hdr_words[_H_STATE]
-            if self._inst_words[_I_STATE] == INST_RETIRING or state in (STOPPING, BROKEN) or \
-                    os.getppid() != self.spec.parent_pid:
+            if self._inst_words[_I_STATE] == INST_RETIRING or \
+                    self._hdr_words[_H_STATE] in (STOPPING, BROKEN) or os.getppid() != self.spec.parent_pid:
                 return False
             time.sleep(0.005)
 
     def serve(self) -> None:
-        import torch
-        with torch.inference_mode():  # once for the whole loop, not per batch
-            self._serve()
-
-    def _serve(self) -> None:
-        """NOTE [pipelining]: on CUDA, batch k+1 is collected while batch k runs on the device
-        (it closes early if the device goes idle), and its host->device copies are enqueued on a
-        separate stream at once. Then either k is answered and k+1's forward launched, or -- when
-        launching is cheap next to the device time (CUDA graphs, big batches) -- k+1's forward is
-        launched first so the device never waits. At most two batches are unfinished at any time
-        (two buffer sets); on the CPU every batch is computed and answered in turn."""
+        """The batch loop (under torch.inference_mode). NOTE [pipelining]: on CUDA, batch k+1 is
+        collected while batch k runs on the device (it closes early if the device goes idle), and
+        its host->device copies are enqueued on a separate stream at once. Then either k is
+        answered and k+1's forward launched, or -- when launching is cheap next to the device time
+        (CUDA graphs, big batches) -- k+1's forward is launched first so the device never waits.
+        At most two batches are unfinished at any time (two buffer sets); on the CPU every batch
+        is computed and answered in turn."""
         inflight: Optional[_InFlight] = None
         hdr_words, inst_words = self._hdr_words, self._inst_words
         while not self.answers.fatal:
@@ -254,15 +247,15 @@ class ModelServer(Holding):
                     inflight = None  # answered inside _collect
                 if batch:
                     nxt = self._stage(batch)  # copies in on the copy stream, behind nothing
-                    if inflight is not None and (inflight.launched.ready() or not self._pipeline_forward()):
-                        done, inflight = inflight, None
-                        self._await_device(done)
-                        self._complete(done)  # answer k before spending time launching k+1
+                    # Answer k before spending time launching k+1, unless launching is cheap next to the
+                    # device time it overlaps: in a launch-bound model, launching first would make k's
+                    # callers wait a whole launch for nothing.
+                    if inflight is not None and (inflight.launched.ready() or
+                                                 self._launch_ema >= 0.5 * self._forward_ema):
+                        inflight = self._complete(inflight, wait=True)
                     self._start(nxt)
                     if inflight is not None:
-                        done, inflight = inflight, None
-                        self._await_device(done)
-                        self._complete(done)
+                        inflight = self._complete(inflight, wait=True)
                     if nxt.error is None and nxt.launched.result is None:
                         inflight = nxt  # device work enqueued: finish it next round
                     else:
@@ -271,9 +264,7 @@ class ModelServer(Holding):
                         break
                     continue
                 if inflight is not None:
-                    done, inflight = inflight, None
-                    self._await_device(done)
-                    self._complete(done)
+                    inflight = self._complete(inflight, wait=True)
                     continue
                 if self.retiring:
                     continue
@@ -311,7 +302,7 @@ class ModelServer(Holding):
             if self.engine.cuda:
                 self.engine.take_graphs()   # captured off-thread while nothing came
                 self._show_graphs()
-            if self.engine.quiet_work_pending and not self.backlog:
+            if not self.backlog:
                 # Nothing came for a poll interval: now the first run of a batch size costs
                 # no one (NOTE [first batch of a size]). At any lull it stalled the next requests.
                 self.engine.quiet_step()
@@ -329,9 +320,6 @@ class ModelServer(Holding):
         if self._done_r >= 0:
             os.close(self._done_r)
             os.close(self._done_w)
-        self.intake.prune(self._unregister)
-        for peer in list(self.intake.peers.values()):
-            self._unregister(peer)
         self.intake.close()
         try:
             self.engine.close()
@@ -353,7 +341,7 @@ class ModelServer(Holding):
         if os.getppid() != self.spec.parent_pid:
             logger.warning("%s the runtime's main process died; exiting", self.tag)
             return False
-        self.intake.prune(self._unregister)
+        self.intake.prune()
         return True
 
     def _register(self, peer: Peer) -> None:
@@ -385,7 +373,8 @@ class ModelServer(Holding):
         self._open[id(req)] = req
         peer = req.peer
         if req.seq == peer.answered_seq + 1:  # its last request was answered by me: a sample
-            self.turnaround.add(min(max(req.t_publish - peer.answered_at, 0.0), _TURNAROUND_CAP))
+            x, t = min(max(req.t_publish - peer.answered_at, 0.0), _TURNAROUND_CAP), self.turnaround
+            self.turnaround = x if t is None else t + 0.05 * (x - t)
         self.arrivals.add(req.rows, req.t_seen)
         self._returning.discard(req.pid)   # back: the batch need hold its turn no longer
         return self.admission.take(req)
@@ -428,7 +417,7 @@ class ModelServer(Holding):
             else:
                 snap = batching.Snapshot(c.rows, c.oldest, c.waiting, may, device_busy, c.newest)
                 close, wait = batching.decide(snap, now, costs.fit(c.key), arrivals.rate(now), policy,
-                                              c.limit, self.turnaround.value)
+                                              c.limit, self.turnaround)
             if close or (device_busy and self._peer_free()) or intake.full:
                 break
             if device_busy:
@@ -482,14 +471,11 @@ class ModelServer(Holding):
         if self.engine.graph_total != self._graphs_shown:
             self._graphs_shown = self.ctl.all_instances[self.me]["graphs"] = self.engine.graph_total
 
-    def _pipeline_forward(self) -> bool:
-        """Launch batch k+1's forward before answering batch k? Only when launching is cheap next
-        to the device time it overlaps (CUDA graphs, or large batches): in a launch-bound model,
-        launching first would make k's callers wait a whole launch for nothing."""
-        return self._launch_ema < 0.5 * self._forward_ema
-
-    def _complete(self, flight: _InFlight) -> None:
-        """Finish a launched batch: check its outputs, write each requester's rows, wake them."""
+    def _complete(self, flight: _InFlight, wait: bool = False) -> None:
+        """Finish a launched batch (``wait``: taking requests in meanwhile, _await_device): check
+        its outputs, write each requester's rows, wake them. Returns None (no batch in flight)."""
+        if wait:
+            self._await_device(flight)
         batch, t_close, error, result = flight.batch, flight.t_close, flight.error, None
         total = sum(r.rows for r in batch)
         self.admission.in_progress -= total
@@ -519,7 +505,8 @@ class ModelServer(Holding):
                 self.costs.observe(batch[0].key, total, tm.h2d + tm.forward + tm.d2h
                                    if self.engine.cuda else t_end - t_close)
             self.acct.record(batch, total, t_close, t_scatter, t_end, result)
-            self.admission.batch_done(total, t_close, t_end, flight.backlogged)
+            self.admission.rate.batch_done(total, t_close, t_end, flight.backlogged)
+            self.admission.publish()
         except Exception:  # noqa: BLE001 - bookkeeping never fails a batch, nor the next one
             if not self._accounting_failed:
                 self._accounting_failed = True

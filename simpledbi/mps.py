@@ -37,7 +37,7 @@ import subprocess
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, Optional, Sequence
 
 from .shm import pid_alive, remove_tree
 
@@ -197,7 +197,8 @@ class PrivateDaemon:
         pinned = {}
         try:
             pipe_dir = self.env[PIPE_VAR]
-            pinned = pidfds(_our_pids(pipe_dir), lambda pid: _is_ours(pid, pipe_dir))
+            pids = [int(e) for e in os.listdir("/proc") if e.isdigit() and int(e) != os.getpid()]
+            pinned = pidfds([p for p in pids if _is_ours(p, pipe_dir)], lambda pid: _is_ours(pid, pipe_dir))
             deadline = time.monotonic() + timeout
             self.command("quit", timeout)
             left = wait_exit(pinned, deadline - time.monotonic())
@@ -245,11 +246,6 @@ def _is_ours(pid: int, pipe_dir: str) -> bool:
     except OSError:  # gone, or another user's: not ours either way
         return False
     return os.fsencode(f"{PIPE_VAR}={pipe_dir}") in environ
-
-
-def _our_pids(pipe_dir: str) -> List[int]:
-    return [int(e) for e in os.listdir("/proc")
-            if e.isdigit() and int(e) != os.getpid() and _is_ours(int(e), pipe_dir)]
 
 
 def pidfds(pids, keep: Optional[Callable[[int], bool]] = None) -> Dict[int, int]:

@@ -133,11 +133,7 @@ def lookup_dirs() -> List[str]:
         if why is not None:
             raise _env_error(env, why)
         return [env]
-    out = [_shm_registry()]
-    home = _home_registry()
-    if home is not None:
-        out.append(home)
-    return [d for d in out if _why_not_private(d) is None]
+    return [d for d in (_shm_registry(), _home_registry()) if d is not None and _why_not_private(d) is None]
 
 
 def _shm_registry() -> str:

@@ -12,7 +12,7 @@ from typing import Optional
 
 from .config import ModelConfig
 from .errors import RuntimeStopped
-from .layout import INST_DEAD, INST_LOADING, INST_RETIRING, RUNNING, ControlBlock
+from .layout import INST_DEAD, INST_LOADING, INST_RETIRING, RUNNING, STATE_NAMES, ControlBlock
 from . import sources
 from .supervisor import _exited, _ModelProc
 
@@ -51,7 +51,8 @@ class Reloads:
                         model, source, self.ctx.get_start_method()))
             ctl = self.ctls[model]
             if ctl.state != RUNNING:
-                raise RuntimeError(f"reload {model!r}: the model is {ctl.state_name}, not running")
+                raise RuntimeError(f"reload {model!r}: the model is "
+                                   f"{STATE_NAMES.get(ctl.state, ctl.state)}, not running")
             n = cfg.model_num
             bank = 1 - (int(ctl.hdr["bank"]) & 1)
             rows = range(bank * n, (bank + 1) * n)

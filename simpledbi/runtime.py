@@ -1,13 +1,5 @@
-"""``Run`` and ``Runtime``: start the model process groups, then the workers; supervise; clean up.
-
-Process tree of one run::
-
-    main (Run / Runtime)                 supervisor thread: restarts (supervisor.py)
-     +-- janitor                        cleans /dev/shm if main dies (janitor.py)
-     +-- (nvidia-cuda-mps-control -d)   a private CUDA MPS daemon, when wanted (mps.py)
-     +-- model "a" instance 0..n-1       model_process.py
-     +-- model "b" instance 0..m-1
-     +-- worker 0..worker_num-1          worker.py -> your target(rank, *args, **kwargs)
+"""``Run`` and ``Runtime``: start the model process groups, then the workers; supervise; clean up
+(the process tree: README, Architecture; a private CUDA MPS daemon: mps.py).
 
 A model process that dies is restarted while the other instances serve (supervisor.py); only a
 model marked broken makes ``Run`` raise. Shutdown is ordered and idempotent: refuse new requests
@@ -61,9 +53,7 @@ class Runtime(Supervision, Reloads, Workers):
 
     def __init__(self, models: Sequence[ModelConfig], options: Optional[RuntimeOptions] = None,
                  start_method: str = "spawn", *, name: Optional[str] = None):
-        if isinstance(models, ModelConfig):
-            models = [models]
-        models = list(models)
+        models = [models] if isinstance(models, ModelConfig) else list(models)
         if not models or not all(isinstance(m, ModelConfig) for m in models):
             raise TypeError(f"models: expected a non-empty list of ModelConfig, got {models!r}")
         names = [m.name for m in models]

@@ -12,11 +12,8 @@ runtime has to distrust the size of memory another process hands it. A control b
 of the runtime's main process, reached by others through ``<ns>/<m>.ctl``, a symlink to
 ``/proc/<main pid>/fd/<n>`` (opening it opens the memfd itself; only the same user may). A
 client's slot is a memfd of the client's, reached the same way (slots.py). Nothing is unlinked:
-a memfd goes when its last descriptor and mapping do.
-
-Why not ``multiprocessing.shared_memory``: before Python 3.13 it registers every *attach* with
-``resource_tracker``, which unlinks the segment and warns "leaked shared_memory" when the
-attaching process exits (CPython #82300/#104291); and it cannot be sealed.
+a memfd goes when its last descriptor and mapping do. (Why not ``multiprocessing.shared_memory``:
+README, Architecture; CPython #82300/#104291.)
 """
 from __future__ import annotations
 

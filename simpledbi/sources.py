@@ -52,16 +52,16 @@ def describe(factory) -> str:
     """A factory's name for messages: ``module.qualname``, or its repr."""
     if isinstance(factory, ByValue):
         return factory.name
-    fn = _unwrap(factory)
-    qualname = getattr(fn, "__qualname__", None) or type(fn).__qualname__
+    fn, qualname = _unwrap(factory)
     module = getattr(fn, "__module__", None) or type(fn).__module__
     return f"{module}.{qualname}" if module else qualname
 
 
-def _unwrap(factory):
+def _unwrap(factory) -> Tuple[Any, str]:
+    """The function under any ``functools.partial``, and its qualified name."""
     while isinstance(factory, functools.partial):
         factory = factory.func
-    return factory
+    return factory, getattr(factory, "__qualname__", None) or type(factory).__qualname__
 
 
 def main_is_importable() -> bool:
@@ -96,8 +96,7 @@ def why_not_importable(factory) -> Optional[str]:
     """Why a spawned model process could not unpickle ``factory`` -- pickled by name, as spawn
     does -- or None if it can: a lambda or nested function, or anything from a ``__main__`` the
     child cannot import (the factory itself, or what a ``functools.partial`` of it carries)."""
-    fn = _unwrap(factory)
-    qualname = getattr(fn, "__qualname__", None) or type(fn).__qualname__
+    qualname = _unwrap(factory)[1]
     if "<" in qualname:
         return f"{qualname} is a lambda or a nested function, which has no importable name"
     finder = _MainFinder()
@@ -115,7 +114,7 @@ class _MainFinder(pickle.Pickler):
     """Pickles into nothing, noting the first class or function of ``__main__`` it meets."""
 
     def __init__(self):
-        super().__init__(_Discard(), protocol=pickle.HIGHEST_PROTOCOL)
+        super().__init__(types.SimpleNamespace(write=len), protocol=pickle.HIGHEST_PROTOCOL)
         self.found: Optional[str] = None
 
     def reducer_override(self, obj):
@@ -124,11 +123,6 @@ class _MainFinder(pickle.Pickler):
             if getattr(named, "__module__", None) == "__main__":
                 self.found = f"__main__.{named.__qualname__}"
         return NotImplemented
-
-
-class _Discard:
-    def write(self, data) -> int:
-        return len(data)
 
 
 def ship(name: str, factory: Callable[[], Any], start_method: str) -> Callable[[], Any]:

@@ -118,7 +118,13 @@ class Supervision:
         row["free"] = 0        # a dead process is not an idle peer,
         row["queued"] = 0      # and what it held is answered below: nothing waits there
         row["newcomer_wait"] = 0.0
-        self._answer_held(name, m)
+        # What it held (its HELD rows), answered with ModelProcessDied: its callers learn at once.
+        n = answer_held(ctl, m.row, m.proc.pid, ST_DIED,
+                        f"model process {m.instance} (pid {m.proc.pid}) died while computing this "
+                        f"request ({exit_how(m.proc.exitcode)}; it may or may not have run)")
+        row["held"] = 0
+        if n:
+            logger.debug("answered %d request(s) that %s held", n, m.describe())
         self._tell_janitor("gone", m.proc.pid)  # never signal a pid the system may reuse
         if m.retiring:
             if m.proc.exitcode:
@@ -136,7 +142,9 @@ class Supervision:
             why = (f"{text}; model {name!r} failed {len(failures)} times within "
                    f"{m.cfg.restart_window:g} s and is marked broken")
             logger.error("%s", why)
-            self._mark_broken(name, why, m.proc.exitcode or 0)
+            self.broken[name] = why
+            ctl.set_state(BROKEN, why, m.proc.exitcode or 0)
+            answer_queued(self.sockets[name], ST_DIED, why)   # callers whose requests wait learn now
             return
         delay = min(m.cfg.restart_backoff * 2 ** (len(failures) - 1), 10.0)
         logger.error("%s; restarting it in %.2f s", text, delay)
@@ -149,22 +157,6 @@ class Supervision:
             return
         m = self._spawn_model(cfg, instance)
         self.ctls[name].all_instances[m.row]["restarts"] += 1
-
-    def _mark_broken(self, name: str, why: str, code: int) -> None:
-        self.broken[name] = why
-        self.ctls[name].set_state(BROKEN, why, code)
-        answer_queued(self.sockets[name], ST_DIED, why)   # callers whose requests wait learn now
-
-    def _answer_held(self, name: str, m: _ModelProc) -> None:
-        """Answer every request the dead process ``m`` held (its HELD rows in the control
-        block) with ModelProcessDied: its callers learn at once."""
-        ctl = self.ctls[name]
-        n = answer_held(ctl, m.row, m.proc.pid, ST_DIED,
-                        f"model process {m.instance} (pid {m.proc.pid}) died while computing this "
-                        f"request ({exit_how(m.proc.exitcode)}; it may or may not have run)")
-        ctl.all_instances[m.row]["held"] = 0
-        if n:
-            logger.debug("answered %d request(s) that %s held", n, m.describe())
 
     def _wake_model_processes(self, name: str, n: int) -> None:
         """Wake up to ``n`` model processes of ``name`` sleeping on the socket (each datagram wakes

@@ -16,7 +16,7 @@ from .worker import worker_main
 class Workers:
     def run_workers(self, target: Callable, worker_num: int, args=(), kwargs=None) -> List[Any]:
         kwargs = dict(kwargs or {})
-        conns = {}
+        conns: Dict[Any, int] = {}   # a worker's pipe -> its rank
         for rank in range(worker_num):
             parent_end, child_end = self.ctx.Pipe(duplex=False)
             proc = self.ctx.Process(target=worker_main, name=f"simpledbi-worker-{rank}",
@@ -27,9 +27,6 @@ class Workers:
                 self._tell_janitor("worker", proc.pid)
                 self.worker_procs[rank] = proc
                 conns[parent_end] = rank
-        return self._supervise(conns, worker_num)
-
-    def _supervise(self, conns: Dict[Any, int], worker_num: int) -> List[Any]:
         results: List[Any] = [None] * worker_num
         reported = set()
         sentinels = {p.sentinel: r for r, p in self.worker_procs.items()}
