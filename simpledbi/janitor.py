@@ -23,6 +23,11 @@ from .shm import sweep_namespace
 
 def janitor_main(namespace: str, conn, grace: float) -> None:
     ignore_ctrl_c()
+    # A signal to the whole process group -- a notebook kernel's shutdown or restart, systemd,
+    # ``kill -TERM -PGID`` -- ends the main process without its clean-up: the janitor is what is
+    # left to do it, so it outlives such signals (it exits once the main process is gone).
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
     workers, models, daemons, registrations, ctls = set(), set(), [], [], []
     orphaned = False
     while True:

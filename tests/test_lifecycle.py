@@ -145,6 +145,30 @@ def test_ctrl_c_while_children_start_is_reported_by_the_main_process_only(tmp_pa
 
 
 @pytest.mark.timeout(120)
+def test_sigterm_to_a_runtimes_whole_process_group_leaves_nothing_behind():
+    # What a notebook kernel's shutdown or restart does (and systemd, or `kill -TERM -PGID`): the
+    # main process (a Runtime, no handler of ours) dies without atexit, and so did the janitor.
+    from simpledbi.naming import registration_path
+    name = f"lifecycle-{os.getpid()}"
+    proc = subprocess.Popen([sys.executable, "-m", "tests.apps.app", "runtime", name], cwd=ROOT, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        _wait_line(proc, "READY")
+        assert ours(proc.pid) != [] and os.path.exists(registration_path(name))
+        os.killpg(proc.pid, signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == -signal.SIGTERM, (out, err)
+    deadline = time.monotonic() + 30   # the janitor cleans up once it sees the main process gone
+    while (ours(proc.pid) or os.path.exists(registration_path(name))) and time.monotonic() < deadline:
+        threading.Event().wait(0.05)
+    assert ours(proc.pid) == [] and not os.path.exists(registration_path(name))
+
+
+@pytest.mark.timeout(120)
 def test_sigkill_of_the_main_process_leaves_nothing_behind():
     proc = _start("busy")
     _wait_line(proc, "READY")

@@ -365,9 +365,12 @@ def test_cancelled_calls_a_model_process_took_do_not_run(start_runtime, gate):
         loop = asyncio.get_running_loop()
         first = asyncio.ensure_future(m.forward_async(gated))
         await loop.run_in_executor(None, gate.wait_entered)
-        rest = [asyncio.ensure_future(m.forward_async(x)) for x in (gated, X * 3, X * 4, X * 5)]
+        queued = lambda: sum(slot.queued() for slot in list(m._h.busy))   # noqa: E731
+        rest = [asyncio.ensure_future(m.forward_async(gated))]
+        await until(lambda: queued() == 1)   # the gated one first: it runs first
+        rest += [asyncio.ensure_future(m.forward_async(x)) for x in (X * 3, X * 4, X * 5)]
         # all four queued on the socket while the first runs ...
-        await until(lambda: sum(slot.queued() for slot in list(m._h.busy)) == 4)
+        await until(lambda: queued() == 4)
         gate.open()
         await loop.run_in_executor(None, gate.wait_entered)   # ... taken at once: 2 runs (held
         await until(lambda: _held(m) == 4)                    # at its gate), 3-5 wait

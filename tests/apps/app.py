@@ -5,6 +5,8 @@
 MODE: ok | worker_raises | worker_dies | busy (loops until signalled; prints READY <janitor pid>)
 | model_dies (a request segfaults its model process once: it is restarted, the run goes on)
 | model_broken (every request segfaults: after max_restarts the model is broken and Run raises)
+| runtime NAME (a started ``Runtime`` named NAME, served once, then idle with no signal handler
+of its own: what a notebook kernel holds; prints READY)
 APP_SLOW_START=DIR: each child, while it starts, creates DIR/<pid> and sleeps 3 s.
 """
 import logging
@@ -65,8 +67,22 @@ def worker(rank, mode):
     return rank
 
 
+def hold_a_runtime(name):
+    from simpledbi import Runtime
+    cfg = ModelConfig(name="m", factory=affine, max_batch_size=4, device="cpu", num_threads=1)
+    rt = Runtime([cfg], name=name)
+    rt.start()
+    x = np.ones((2, 3), np.float32)
+    np.testing.assert_array_equal(SharedModel("m", max_shape=(2, 3), runtime=name).forward(x), x * 2 + 1)
+    print("READY", flush=True)
+    while True:
+        time.sleep(60)
+
+
 def main(mode):
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if mode == "runtime":
+        hold_a_runtime(sys.argv[2])
     factory = faulty if mode in ("model_dies", "model_broken") else affine
     cfg = ModelConfig(name="m", factory=factory, max_batch_size=4, model_num=2, wait_time=0.001,
                       device="cpu", num_threads=1, max_restarts=1, restart_backoff=0.05)
