@@ -149,14 +149,9 @@ class SharedModel(Inputs):
         self._args = (max_shape, dtype)
         if runtime is not None:
             self.runtime = naming.check_name(runtime)
-            self._h = self._connect(time.monotonic() + self.connect_timeout)
+            self._h = self._connect()
         else:
             self._h = _Handles.open(namespace, name)
-        try:
-            self._set_inputs(self._h)
-        except BaseException:
-            self._h.release()
-            raise
         self.namespace = self._h.namespace
         self._attach_lock = threading.Lock()
         # The last request of the calling thread -- or asyncio task: every thread and every task
@@ -169,6 +164,7 @@ class SharedModel(Inputs):
         self._finalizer = weakref.finalize(self, self._h.release)
         _live_clients.add(self)
         try:
+            self._set_inputs(self._h)
             self._h.give_back(self._h.borrow(self))  # attach one slot now: setup errors surface here
         except BaseException:
             self.close()
@@ -178,11 +174,14 @@ class SharedModel(Inputs):
     def ctl(self) -> ControlBlock:
         return self._h.ctl
 
-    def _connect(self, deadline: float, avoid: Optional[str] = None,
-                 call_timeout: Optional[float] = None) -> "_Handles":
+    def _connect(self, avoid: Optional[str] = None, call_deadline: Optional[float] = None) -> "_Handles":
         """Attach to the runtime named ``self.runtime`` (not to namespace ``avoid``: the one
-        that went away), waiting for it to come up until ``deadline`` -- the connect timeout's,
-        or a call's (``call_timeout`` seconds), whichever ends first."""
+        that went away), waiting for it to come up until the connect timeout ends, or the
+        call's (``call_deadline``), whichever ends first."""
+        now = time.monotonic()
+        deadline, call_timeout = now + self.connect_timeout, None
+        if call_deadline is not None and call_deadline < deadline:
+            deadline, call_timeout = call_deadline, call_deadline - now
         pause, told = 0.01, False
         while True:
             reg = naming.resolve(self.runtime)
@@ -195,11 +194,9 @@ class SharedModel(Inputs):
                     raise LookupError(f"runtime {self.runtime!r} serves {list(reg.models)}, not "
                                       f"{self.name!r}")
                 try:
-                    h = _Handles.open(reg.namespace, self.name)
+                    return _Handles.open(reg.namespace, self.name)
                 except (LookupError, RuntimeError, OSError):
-                    h = None  # still creating its files, or gone again: look once more
-                if h is not None:
-                    return h
+                    pass  # still creating its files, or gone again: look once more
             left = deadline - time.monotonic()
             if left <= 0:
                 what = "came back" if avoid else "is running"
@@ -221,12 +218,7 @@ class SharedModel(Inputs):
         with self._attach_lock:
             if self._h is not old:  # another thread did it
                 return self._h
-            now = time.monotonic()
-            limit = now + self.connect_timeout
-            if deadline is not None and deadline < limit:
-                new = self._connect(deadline, avoid=old.namespace, call_timeout=deadline - now)
-            else:
-                new = self._connect(limit, avoid=old.namespace)
+            new = self._connect(old.namespace, deadline)
             try:
                 self._set_inputs(new)   # what the successor's model declares
             except BaseException:
@@ -355,7 +347,7 @@ class SharedModel(Inputs):
     def _call(self, h: "_Handles", slot: ClientSlot, arrays: List[np.ndarray], deadline: Optional[float],
               names: int = 0, positions: Optional[Tuple[int, ...]] = None):
         if h.ctl.state >= STOPPING:
-            self._raise_runtime_state(h, slot)
+            self._raise_runtime_state(h)
         if deadline is not None and slot.priority <= 0:
             wait = h.ctl.newcomer_wait()   # every serving process has requests waiting
             if wait is not None and time.monotonic() + wait > deadline:
@@ -382,7 +374,7 @@ class SharedModel(Inputs):
             seq, sent = slot.seq, False
         except OSError as e:      # the socket is gone: the runtime stopped
             slot.withdraw()
-            self._gone(h, e)
+            self._stopped(h, f"the runtime is gone ({e.strerror or e})")
         try:
             if not sent:
                 self._send_when_room(h, slot, deadline)
@@ -403,10 +395,7 @@ class SharedModel(Inputs):
             if deadline is not None:
                 wait = min(wait, deadline - time.monotonic())
                 if wait <= 0:
-                    if slot.withdraw():
-                        raise TimeoutError(f"model {self.name!r}: no result within the timeout (the "
-                                           f"model's queue stayed full; the request was not sent)")
-                    raise TimeoutError(f"model {self.name!r}: no result within the timeout")
+                    self._on_timeout(slot, slot.seq, "the model's queue stayed full; the request was not sent")
             h.set_send_timeout(wait)
             try:
                 slot.send(slot._msg, block=True)
@@ -415,7 +404,7 @@ class SharedModel(Inputs):
                 pass
             except OSError as e:
                 slot.withdraw()
-                self._gone(h, e)
+                self._stopped(h, f"the runtime is gone ({e.strerror or e})")
             self._check_runtime(h, slot)
 
     def _await(self, h: "_Handles", slot: ClientSlot, seq: int, deadline: Optional[float]):
@@ -440,11 +429,10 @@ class SharedModel(Inputs):
             self._check_alive(h, slot, seq)
         status, text, structure = slot.response()
         if status != ST_OK:
-            if status == ST_STOPPED and self.runtime is not None:
+            if status == ST_STOPPED:
                 # the runtime stopped before computing it (what a model process or the runtime
                 # answers then never ran): attached by name, the call goes to the successor
-                h.gone = True
-                raise _Resend()
+                self._stopped(h, text or "runtime stopped")
             raise _status_error(self.name, status, text, slot.call_timeout, slot.call_start)
         outs = slot.outputs()
         out_names = slot.output_names() if structure >= OUT_DICT else b""
@@ -452,37 +440,31 @@ class SharedModel(Inputs):
         self._last.set(timing)
         return outs, structure, out_names
 
-    def _on_timeout(self, slot: ClientSlot, seq: int):
+    def _on_timeout(self, slot: ClientSlot, seq: int,
+                    unsent: str = "the request was withdrawn before any model process took it"):
         if slot.withdraw():
-            raise TimeoutError(f"model {self.name!r}: no result within the timeout (the request "
-                               f"was withdrawn before any model process took it)")
+            raise TimeoutError(f"model {self.name!r}: no result within the timeout ({unsent})")
         slot.abandon(seq)
         raise TimeoutError(f"model {self.name!r}: no result within the timeout; the request is "
                            f"being computed and its late result will be discarded")
 
-    def _gone(self, h: "_Handles", e: BaseException):
-        """The model's socket refused a datagram: its runtime is gone."""
+    def _stopped(self, h: "_Handles", why: str, resend: bool = True):
+        """``h``'s runtime is stopping or gone: attached by name, a request nobody took
+        (``resend``) goes to the successor (_Resend); else RuntimeStopped saying ``why``."""
         h.gone = True
-        if self.runtime is not None:
+        if resend and self.runtime is not None:
             raise _Resend()
-        raise RuntimeStopped(f"model {self.name!r}: the runtime is gone ({e.strerror or e})") from None
+        raise RuntimeStopped(f"model {self.name!r}: {why}") from None
 
     def _check_runtime(self, h: "_Handles", slot: ClientSlot) -> None:
         """Is the runtime still there to take a request? (Raises if not: _Resend when attached
         by name and the request was taken back, so the call goes to the successor.)"""
-        ctl = h.ctl
-        state = ctl.state
-        supervisor = int(ctl.hdr["supervisor_pid"])
+        state = h.ctl.state
+        supervisor = int(h.ctl.hdr["supervisor_pid"])
         if supervisor and not pid_alive(supervisor):
-            h.gone = True
-            if slot.withdraw():
-                if self.runtime is not None:
-                    raise _Resend()
-                raise RuntimeStopped(f"model {self.name!r}: the runtime (pid {supervisor}) is gone")
-            raise RuntimeStopped(f"model {self.name!r}: the runtime (pid {supervisor}) is gone")
-        if state == BROKEN or state == STOPPING:
-            if slot.withdraw():
-                self._raise_runtime_state(h, slot)
+            self._stopped(h, f"the runtime (pid {supervisor}) is gone", slot.withdraw())
+        if (state == BROKEN or state == STOPPING) and slot.withdraw():
+            self._raise_runtime_state(h)
 
     def _check_alive(self, h: "_Handles", slot: ClientSlot, seq: int) -> None:
         """After a poll interval without an answer: is anyone still going to answer?"""
@@ -503,15 +485,12 @@ class SharedModel(Inputs):
                 return
         self._check_runtime(h, slot)
 
-    def _raise_runtime_state(self, h: "_Handles", slot: Optional[ClientSlot] = None):
+    def _raise_runtime_state(self, h: "_Handles"):
         ctl = h.ctl
         if ctl.state == BROKEN:
             raise ModelProcessDied(ctl.message() or f"model {self.name!r}: the runtime is broken",
                                    int(ctl.hdr["broken_code"]) or None)
-        if self.runtime is not None:
-            h.gone = True
-            raise _Resend()
-        raise RuntimeStopped(f"model {self.name!r}: the runtime is shutting down")
+        self._stopped(h, "the runtime is shutting down")
 
 
 def _overloaded(name: str, why: Refusal, timeout: Optional[float], t_call: float) -> Overloaded:
@@ -544,8 +523,6 @@ def _status_error(name: str, status: int, text: str, timeout: Optional[float] = 
                           remote_type=type_name, remote_traceback=tb)
     if status == ST_BAD_REQUEST:
         return ValueError(f"model {name!r} rejected the request: {text}")
-    if status == ST_STOPPED:
-        return RuntimeStopped(f"model {name!r}: {text or 'runtime stopped'}")
     if status == ST_DIED:
         return ModelProcessDied(f"model {name!r}: {text}")
     if status == ST_FULL:
