@@ -2,11 +2,10 @@
 
 A handle lends *slots* (NOTE [slot protocol] in slots.py) to calls: a call borrows an idle slot
 from the handle's pool (or makes a new one), writes its inputs there, sends one datagram to the
-model's socket, sleeps on the slot's ``done`` word, reads its outputs and gives the slot
-back. Slots belong to the handle, not to threads,
-so a web server's thread pool that retires and creates threads never leaks them: a handle holds
-as many slots as it ever had calls in flight at once (plus those owed a late answer after a
-timeout, which are lent again only once it has arrived).
+model's socket, sleeps on the slot's ``done`` word, reads its outputs and gives the slot back.
+Slots belong to the handle, not to threads, so a web server's thread pool that retires and
+creates threads never leaks them: a handle holds as many slots as it ever had calls in flight at
+once (plus those owed a late answer after a timeout, which are lent again only once it has arrived).
 """
 from __future__ import annotations
 
@@ -30,18 +29,16 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from . import naming
+from . import naming, stats as _stats
 from .config import MODEL_NAME_RE
-from . import stats as _stats
-from .errors import ModelError, ModelProcessDied, RuntimeStopped, RuntimeUnavailable
-from .errors import Overloaded, SlotsExhausted
-from .overload import Refusal
-from .layout import (BROKEN, OUT_DICT, OUT_TENSOR, OUT_TUPLE, ST_BAD_REQUEST, ST_DIED, ST_EXPIRED, ST_FULL,
-                     ST_OVERLOADED,
-    ST_INTERNAL, ST_MODEL_ERROR, ST_OK, ST_STOPPED, STOPPING, ControlBlock, decode_names,
-    socket_path)
-from .shm import SHM_DIR, pid_alive
+from .errors import (ModelError, ModelProcessDied, Overloaded, RuntimeStopped, RuntimeUnavailable,
+                     SlotsExhausted)
 from .inputs import Inputs
+from .layout import (BROKEN, OUT_DICT, OUT_TENSOR, OUT_TUPLE, ST_BAD_REQUEST, ST_DIED, ST_EXPIRED, ST_FULL,
+                     ST_INTERNAL, ST_MODEL_ERROR, ST_OK, ST_OVERLOADED, ST_STOPPED, STOPPING, ControlBlock,
+                     decode_names, socket_path)
+from .overload import Refusal
+from .shm import SHM_DIR, pid_alive
 from .slots import ClientSlot, _dumpable
 
 logger = logging.getLogger(__name__)
@@ -395,7 +392,8 @@ class SharedModel(Inputs):
             if deadline is not None:
                 wait = min(wait, deadline - time.monotonic())
                 if wait <= 0:
-                    self._on_timeout(slot, slot.seq, "the model's queue stayed full; the request was not sent")
+                    self._on_timeout(slot, slot.seq, "the model's queue stayed full; the request was "
+                                                     "not sent")
             h.set_send_timeout(wait)
             try:
                 slot.send(slot._msg, block=True)
