@@ -246,6 +246,11 @@ class SharedModel(Inputs):
         and never runs. ``priority`` (default: the handle's): higher runs first and is refused
         last.
         """
+        return self._forward(inputs, named, timeout, priority)
+
+    __call__ = forward
+
+    def _forward(self, inputs, named, timeout, priority, cancel: Optional["_Cancel"] = None):
         if self._closed:
             raise RuntimeStopped(f"SharedModel({self.name!r}) is closed")
         arrays, as_torch, names, positions = self._validate(inputs, named)
@@ -259,19 +264,21 @@ class SharedModel(Inputs):
                 h = self._reattach(h, deadline)
             slot = h.borrow(self)
             slot.call_timeout, slot.call_start, slot.priority = timeout, t_call, priority
+            if cancel is not None:
+                cancel.watch(slot)
             try:
                 outs, structure, out_names = self._call(h, slot, arrays, deadline, names, positions)
                 break
             except _Resend:
                 continue   # the runtime went away before anyone took the request: its successor
             finally:
+                if cancel is not None:
+                    cancel.unwatch()   # before the slot is lent to another call
                 h.give_back(slot)
         if as_torch:
             torch = sys.modules["torch"]
             outs = [torch.from_numpy(o) for o in outs]
         return _restructure(outs, structure, out_names)
-
-    __call__ = forward
 
     async def forward_async(self, *inputs, timeout: Optional[float] = None,
                             priority: Optional[int] = None, **kw_inputs):
@@ -296,12 +303,8 @@ class SharedModel(Inputs):
         return out
 
     def _forward_keeping_last(self, inputs, deadline, priority, kw_inputs, cancel: "_Cancel"):
-        _CANCEL.set(cancel)   # this executor thread's own context: _call finds it
         timeout = None if deadline is None else max(deadline - time.monotonic(), 0.0)
-        try:
-            out = self.forward(*inputs, timeout=timeout, priority=priority, **kw_inputs)
-        finally:
-            _CANCEL.set(None)
+        out = self._forward(inputs, kw_inputs, timeout, priority, cancel)
         return out, self._last.get(None)   # set by this executor thread's own call
 
     def last_timing(self) -> dict:
@@ -342,7 +345,7 @@ class SharedModel(Inputs):
 
     # ------------------------------------------------------------ one call
     def _call(self, h: "_Handles", slot: ClientSlot, arrays: List[np.ndarray], deadline: Optional[float],
-              names: int = 0, positions: Optional[Tuple[int, ...]] = None):
+              names: int, positions: Optional[Tuple[int, ...]]):
         if h.ctl.state >= STOPPING:
             self._raise_runtime_state(h)
         if deadline is not None and slot.priority <= 0:
@@ -351,16 +354,6 @@ class SharedModel(Inputs):
                 with h.lock:        # counted by the model process that takes this handle's
                     h.refused += 1  # next request
                 raise _overloaded(self.name, Refusal("deadline", wait), slot.call_timeout, slot.call_start)
-        cancel = _CANCEL.get()
-        if cancel is None:
-            return self._publish_and_wait(h, slot, arrays, deadline, names, positions)
-        cancel.watch(slot)
-        try:
-            return self._publish_and_wait(h, slot, arrays, deadline, names, positions)
-        finally:
-            cancel.unwatch()   # before the slot is lent to another call
-
-    def _publish_and_wait(self, h: "_Handles", slot: ClientSlot, arrays, deadline, names, positions):
         if h.refused:   # this datagram reports the calls refused here, unsent
             with h.lock:
                 slot.refused, h.refused = slot.refused + h.refused, 0
@@ -551,9 +544,6 @@ def _check_timeout(timeout) -> float:
 
 
 _MAX_PRIORITY = 1000
-
-#: In an executor thread of forward_async: the call's cancellation handle (_Cancel).
-_CANCEL: contextvars.ContextVar = contextvars.ContextVar("simpledbi_cancel", default=None)
 
 
 class _Cancel:
