@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextvars
-import functools
 import collections
 import errno
 import logging
@@ -287,25 +286,23 @@ class SharedModel(Inputs):
         with the calls in flight). Cancelling the coroutine withdraws the request if no model
         process has taken it yet, else abandons its result (its slot is lent again once the
         answer has arrived)."""
-        loop = asyncio.get_running_loop()
         cancel = _Cancel()
         if timeout is None and not self._closed:
             timeout = self._h.default_timeout
         # the timeout counts from this call, not from when a thread of the pool picks it up
         deadline = None if timeout is None else time.monotonic() + _check_timeout(timeout)
-        call = functools.partial(self._forward_keeping_last, inputs, deadline, priority, kw_inputs, cancel)
+
+        def call():   # in a thread of the pool
+            left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+            out = self._forward(inputs, kw_inputs, left, priority, cancel)
+            return out, self._last.get(None)   # set by this executor thread's own call
         try:
-            out, timing = await loop.run_in_executor(_async_executor(), call)
+            out, timing = await asyncio.get_running_loop().run_in_executor(_async_executor(), call)
         except asyncio.CancelledError:
             cancel.cancel()   # the waiting thread takes the request back, if nobody took it yet
             raise
         self._last.set(timing)  # in this task's context: last_timing() in the task sees its own
         return out
-
-    def _forward_keeping_last(self, inputs, deadline, priority, kw_inputs, cancel: "_Cancel"):
-        timeout = None if deadline is None else max(deadline - time.monotonic(), 0.0)
-        out = self._forward(inputs, kw_inputs, timeout, priority, cancel)
-        return out, self._last.get(None)   # set by this executor thread's own call
 
     def last_timing(self) -> dict:
         """Where the calling thread's (or asyncio task's) last request spent its time (seconds,
@@ -413,8 +410,7 @@ class SharedModel(Inputs):
             if slot.interrupted:
                 if not slot.withdraw():
                     slot.abandon(seq)
-                if slot.cancelled:
-                    slot.interrupted = slot.cancelled = False   # the slot serves the next call
+                if slot.cancelled:   # (_Cancel.unwatch clears the flags before the slot is lent again)
                     raise RuntimeStopped(f"model {self.name!r}: the awaiting task was cancelled")
                 raise RuntimeStopped(f"SharedModel({self.name!r}) was closed while this call waited")
             self._check_alive(h, slot, seq)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 import os
 import sys
-from typing import Sequence, Tuple
+from typing import Tuple
 
 import numpy as np
 
@@ -60,7 +60,8 @@ def _client_inputs(model: str, ctl: ControlBlock, max_shape, dtype):
     dtypes = [code_dtype(dtype_code(d)) for d in dtypes]
     for k, (got, want) in enumerate(zip(dtypes, decl_dtypes)):
         if got != want:
-            raise TypeError(f"dtype: input {_label(names, k)}: model {model!r} declares {want}, got {got}")
+            label = repr(names[k]) if k < len(names) else k
+            raise TypeError(f"dtype: input {label}: model {model!r} declares {want}, got {got}")
     _check_slot_size(max_shapes, dtypes)
     if any(s[0] != max_shapes[0][0] for s in max_shapes):
         raise ValueError(f"max_shape: every input needs the same row count, got {[s[0] for s in max_shapes]}")
@@ -82,15 +83,6 @@ def _check_slot_size(max_shapes, dtypes) -> None:
         raise ValueError(f"max_shape {list(max_shapes)} ({', '.join(map(str, dtypes))}) needs a slot of "
                          f"{need:,} bytes ({need / 2**30:,.1f} GiB), more than this machine's memory "
                          f"({memory / 2**30:,.1f} GiB): expected the largest request this client sends")
-
-
-def _label(names: Sequence[str], k: int) -> str:
-    return repr(names[k]) if k < len(names) else str(k)
-
-
-def _is_torch(x) -> bool:
-    return type(x).__module__.startswith("torch") and "torch" in sys.modules and \
-        isinstance(x, sys.modules["torch"].Tensor)
 
 
 class Inputs:
@@ -116,7 +108,8 @@ class Inputs:
         for k, x in enumerate(inputs):
             p = k if positions is None else positions[k]
             max_s, dt = self.max_shapes[p], self.dtypes[p]
-            if not isinstance(x, np.ndarray) and _is_torch(x):   # numpy first: the common case
+            if not isinstance(x, np.ndarray) and type(x).__module__.startswith("torch") and \
+                    "torch" in sys.modules and isinstance(x, sys.modules["torch"].Tensor):  # numpy first
                 if x.device.type != "cpu":
                     raise TypeError(f"input {self._label(p)}: expected a CPU tensor, got one on {x.device}")
                 as_torch = True
@@ -157,7 +150,7 @@ class Inputs:
         self._fits.add((p, x.shape))
 
     def _label(self, k: int) -> str:
-        return _label(self.input_names, k)
+        return repr(self.input_names[k]) if k < len(self.input_names) else str(k)
 
     def _bind(self, inputs, named) -> Tuple[list, Tuple[int, ...]]:
         """Inputs given by name (keywords, or one dict; positional ones first take the first
