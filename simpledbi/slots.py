@@ -486,16 +486,13 @@ class Peer:
         """Write outputs (rows of this request), the response header (with ``names``, the keys of
         a dict / namedtuple answer) and, last, RESP_SEQ; then wake the client (or leave that to
         :meth:`wake`). ``outputs``: a :class:`Rows`. Never raises for a client's fault."""
-        if status == ST_OK and not text:
-            try:
-                self._respond_ok(seq, outputs, out_offset, structure, names, claimer, t_close, batch_rows)
-            except (OSError, TypeError, ValueError) as e:
-                status, text = ST_BAD_REQUEST, f"could not write the outputs into the client's slot: {e}"
-            else:
-                if wake:
-                    self.wake(seq)
-                return
         try:
+            if status == ST_OK and not text:
+                try:
+                    self._respond_ok(seq, outputs, out_offset, structure, names, claimer, t_close, batch_rows)
+                    return
+                except (OSError, TypeError, ValueError) as e:
+                    status, text = ST_BAD_REQUEST, f"could not write the outputs into the client's slot: {e}"
             w = [0] * _RESP_WORDS
             data = text.encode("utf-8", "replace")[:ERR_BYTES]
             self.u8[ERR_OFF:ERR_OFF + len(data)] = np.frombuffer(data, np.uint8)
@@ -511,9 +508,9 @@ class Peer:
                 self.wake(seq)
 
     def _respond_ok(self, seq, outputs, out_offset, structure, names, claimer, t_close, batch_rows) -> None:
-        """Outputs, then a response header built once per output signature (structure, dtypes,
-        shapes, offsets) and only the words it uses, then RESP_SEQ. ``outputs``: arrays, or an
-        :class:`Rows` (the rows of a batch's outputs, copied with one memmove each)."""
+        """Outputs (the :class:`Rows` of a batch's outputs, copied with one memmove each), then a
+        response header built once per output signature (structure, dtypes, shapes, offsets) and
+        only the words it uses, then RESP_SEQ."""
         key = (structure, out_offset, names, outputs.sig)
         head = self._heads.get(key)
         if head is None:
