@@ -416,9 +416,7 @@ class SharedModel(Inputs):
             self._check_alive(h, slot, seq)
         status, text, structure = slot.response()
         if status != ST_OK:
-            if status == ST_STOPPED:
-                # the runtime stopped before computing it (what a model process or the runtime
-                # answers then never ran): attached by name, the call goes to the successor
+            if status == ST_STOPPED:   # the runtime stopped before computing it: it never ran
                 self._stopped(h, text or "runtime stopped")
             raise _status_error(self.name, status, text, slot.call_timeout, slot.call_start)
         outs = slot.outputs()
