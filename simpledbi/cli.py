@@ -1,27 +1,10 @@
-"""The ``simpledbi`` command (also ``python -m simpledbi``).
+"""The ``simpledbi`` command (also ``python -m simpledbi``): ``serve``, ``status``, ``reload``
+(README: "Any model, any web framework"; ``--help`` lists the flags).
 
-    simpledbi serve  --name myapp --model resnet50=models/resnet50.pt --model-num 2 --device cuda
-    simpledbi serve  --config serve.toml            # several models, every ModelConfig field
-    simpledbi status [myapp] [--check] [--json]     # a live table; --check: exit 1 unless ready
-    simpledbi reload resnet50 [--runtime myapp] [--path new.pt or mymodels:build]  # rolling
-
-``serve`` starts a standalone runtime under a stable name: processes simpledbi did not start
-(web servers' workers, DataLoader workers, a job system) attach with
-``SharedModel(model, runtime="myapp")`` or ``$SIMPLEDBI_RUNTIME=myapp``. It logs one "ready"
-line, supervises, and on SIGTERM or Ctrl-C refuses new requests, answers those already accepted
-(up to ``--drain-timeout``), then removes everything it created.
-
-A TOML config holds what the flags hold, per model::
-
-    name = "myapp"            # optional here, --name wins
-    metrics_port = 9100       # optional
-    [options]                 # RuntimeOptions fields
-    mps = "auto"
-    [[models]]                # ModelConfig fields; factory = "module:function" instead of path
-    name = "resnet50"
-    path = "models/resnet50.pt"
-    max_batch_size = 32
-    model_num = 2
+``serve --config`` reads a TOML file holding what the flags hold (the flags win): ``name``,
+``metrics_port``, ``metrics_addr``, ``drain_timeout``, ``[options]`` (RuntimeOptions fields) and
+``[[models]]`` (ModelConfig fields; ``factory = "module:function"`` instead of ``path``), as in
+``examples/fastapi_app/serve.toml``.
 """
 from __future__ import annotations
 

@@ -2,18 +2,16 @@
 
 A handle lends *slots* (NOTE [slot protocol] in slots.py) to calls: a call borrows an idle slot
 from the handle's pool (or makes a new one), writes its inputs there, sends one datagram to the
-model's socket, sleeps on the slot's ``done`` word, reads its outputs and gives the slot
-back. Slots belong to the handle, not to threads,
-so a web server's thread pool that retires and creates threads never leaks them: a handle holds
-as many slots as it ever had calls in flight at once (plus those owed a late answer after a
-timeout, which are lent again only once it has arrived).
+model's socket, sleeps on the slot's ``done`` word, reads its outputs and gives the slot back.
+Slots belong to the handle, not to threads, so a web server's thread pool that retires and
+creates threads never leaks them: a handle holds as many slots as it ever had calls in flight at
+once (plus those owed a late answer after a timeout, which are lent again only once it has arrived).
 """
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
 import contextvars
-import functools
 import collections
 import errno
 import logging
@@ -30,18 +28,16 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from . import naming
+from . import naming, stats as _stats
 from .config import MODEL_NAME_RE
-from . import stats as _stats
-from .errors import ModelError, ModelProcessDied, RuntimeStopped, RuntimeUnavailable
-from .errors import Overloaded, SlotsExhausted
-from .overload import Refusal
-from .layout import (BROKEN, OUT_DICT, OUT_TENSOR, OUT_TUPLE, ST_BAD_REQUEST, ST_DIED, ST_EXPIRED, ST_FULL,
-                     ST_OVERLOADED,
-    ST_INTERNAL, ST_MODEL_ERROR, ST_OK, ST_STOPPED, STOPPING, ControlBlock, decode_names,
-    socket_path)
-from .shm import SHM_DIR, pid_alive
+from .errors import (ModelError, ModelProcessDied, Overloaded, RuntimeStopped, RuntimeUnavailable,
+                     SlotsExhausted)
 from .inputs import Inputs
+from .layout import (BROKEN, OUT_DICT, OUT_TENSOR, OUT_TUPLE, ST_BAD_REQUEST, ST_DIED, ST_EXPIRED, ST_FULL,
+                     ST_INTERNAL, ST_MODEL_ERROR, ST_OK, ST_OVERLOADED, ST_STOPPED, STOPPING, ControlBlock,
+                     decode_names, socket_path)
+from .overload import Refusal
+from .shm import SHM_DIR, pid_alive
 from .slots import ClientSlot, _dumpable
 
 logger = logging.getLogger(__name__)
@@ -149,14 +145,9 @@ class SharedModel(Inputs):
         self._args = (max_shape, dtype)
         if runtime is not None:
             self.runtime = naming.check_name(runtime)
-            self._h = self._connect(time.monotonic() + self.connect_timeout)
+            self._h = self._connect()
         else:
             self._h = _Handles.open(namespace, name)
-        try:
-            self._set_inputs(self._h)
-        except BaseException:
-            self._h.release()
-            raise
         self.namespace = self._h.namespace
         self._attach_lock = threading.Lock()
         # The last request of the calling thread -- or asyncio task: every thread and every task
@@ -169,6 +160,7 @@ class SharedModel(Inputs):
         self._finalizer = weakref.finalize(self, self._h.release)
         _live_clients.add(self)
         try:
+            self._set_inputs(self._h)
             self._h.give_back(self._h.borrow(self))  # attach one slot now: setup errors surface here
         except BaseException:
             self.close()
@@ -178,11 +170,14 @@ class SharedModel(Inputs):
     def ctl(self) -> ControlBlock:
         return self._h.ctl
 
-    def _connect(self, deadline: float, avoid: Optional[str] = None,
-                 call_timeout: Optional[float] = None) -> "_Handles":
+    def _connect(self, avoid: Optional[str] = None, call_deadline: Optional[float] = None) -> "_Handles":
         """Attach to the runtime named ``self.runtime`` (not to namespace ``avoid``: the one
-        that went away), waiting for it to come up until ``deadline`` -- the connect timeout's,
-        or a call's (``call_timeout`` seconds), whichever ends first."""
+        that went away), waiting for it to come up until the connect timeout ends, or the
+        call's (``call_deadline``), whichever ends first."""
+        now = time.monotonic()
+        deadline, call_timeout = now + self.connect_timeout, None
+        if call_deadline is not None and call_deadline < deadline:
+            deadline, call_timeout = call_deadline, call_deadline - now
         pause, told = 0.01, False
         while True:
             reg = naming.resolve(self.runtime)
@@ -195,11 +190,9 @@ class SharedModel(Inputs):
                     raise LookupError(f"runtime {self.runtime!r} serves {list(reg.models)}, not "
                                       f"{self.name!r}")
                 try:
-                    h = _Handles.open(reg.namespace, self.name)
+                    return _Handles.open(reg.namespace, self.name)
                 except (LookupError, RuntimeError, OSError):
-                    h = None  # still creating its files, or gone again: look once more
-                if h is not None:
-                    return h
+                    pass  # still creating its files, or gone again: look once more
             left = deadline - time.monotonic()
             if left <= 0:
                 what = "came back" if avoid else "is running"
@@ -221,12 +214,7 @@ class SharedModel(Inputs):
         with self._attach_lock:
             if self._h is not old:  # another thread did it
                 return self._h
-            now = time.monotonic()
-            limit = now + self.connect_timeout
-            if deadline is not None and deadline < limit:
-                new = self._connect(deadline, avoid=old.namespace, call_timeout=deadline - now)
-            else:
-                new = self._connect(limit, avoid=old.namespace)
+            new = self._connect(old.namespace, deadline)
             try:
                 self._set_inputs(new)   # what the successor's model declares
             except BaseException:
@@ -257,6 +245,11 @@ class SharedModel(Inputs):
         and never runs. ``priority`` (default: the handle's): higher runs first and is refused
         last.
         """
+        return self._forward(inputs, named, timeout, priority)
+
+    __call__ = forward
+
+    def _forward(self, inputs, named, timeout, priority, cancel: Optional["_Cancel"] = None):
         if self._closed:
             raise RuntimeStopped(f"SharedModel({self.name!r}) is closed")
         arrays, as_torch, names, positions = self._validate(inputs, named)
@@ -270,19 +263,21 @@ class SharedModel(Inputs):
                 h = self._reattach(h, deadline)
             slot = h.borrow(self)
             slot.call_timeout, slot.call_start, slot.priority = timeout, t_call, priority
+            if cancel is not None:
+                cancel.watch(slot)
             try:
                 outs, structure, out_names = self._call(h, slot, arrays, deadline, names, positions)
                 break
             except _Resend:
                 continue   # the runtime went away before anyone took the request: its successor
             finally:
+                if cancel is not None:
+                    cancel.unwatch()   # before the slot is lent to another call
                 h.give_back(slot)
         if as_torch:
             torch = sys.modules["torch"]
             outs = [torch.from_numpy(o) for o in outs]
         return _restructure(outs, structure, out_names)
-
-    __call__ = forward
 
     async def forward_async(self, *inputs, timeout: Optional[float] = None,
                             priority: Optional[int] = None, **kw_inputs):
@@ -291,29 +286,23 @@ class SharedModel(Inputs):
         with the calls in flight). Cancelling the coroutine withdraws the request if no model
         process has taken it yet, else abandons its result (its slot is lent again once the
         answer has arrived)."""
-        loop = asyncio.get_running_loop()
         cancel = _Cancel()
         if timeout is None and not self._closed:
             timeout = self._h.default_timeout
         # the timeout counts from this call, not from when a thread of the pool picks it up
         deadline = None if timeout is None else time.monotonic() + _check_timeout(timeout)
-        call = functools.partial(self._forward_keeping_last, inputs, deadline, priority, kw_inputs, cancel)
+
+        def call():   # in a thread of the pool
+            left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+            out = self._forward(inputs, kw_inputs, left, priority, cancel)
+            return out, self._last.get(None)   # set by this executor thread's own call
         try:
-            out, timing = await loop.run_in_executor(_async_executor(), call)
+            out, timing = await asyncio.get_running_loop().run_in_executor(_async_executor(), call)
         except asyncio.CancelledError:
             cancel.cancel()   # the waiting thread takes the request back, if nobody took it yet
             raise
         self._last.set(timing)  # in this task's context: last_timing() in the task sees its own
         return out
-
-    def _forward_keeping_last(self, inputs, deadline, priority, kw_inputs, cancel: "_Cancel"):
-        _CANCEL.set(cancel)   # this executor thread's own context: _call finds it
-        timeout = None if deadline is None else max(deadline - time.monotonic(), 0.0)
-        try:
-            out = self.forward(*inputs, timeout=timeout, priority=priority, **kw_inputs)
-        finally:
-            _CANCEL.set(None)
-        return out, self._last.get(None)   # set by this executor thread's own call
 
     def last_timing(self) -> dict:
         """Where the calling thread's (or asyncio task's) last request spent its time (seconds,
@@ -353,25 +342,15 @@ class SharedModel(Inputs):
 
     # ------------------------------------------------------------ one call
     def _call(self, h: "_Handles", slot: ClientSlot, arrays: List[np.ndarray], deadline: Optional[float],
-              names: int = 0, positions: Optional[Tuple[int, ...]] = None):
+              names: int, positions: Optional[Tuple[int, ...]]):
         if h.ctl.state >= STOPPING:
-            self._raise_runtime_state(h, slot)
+            self._raise_runtime_state(h)
         if deadline is not None and slot.priority <= 0:
             wait = h.ctl.newcomer_wait()   # every serving process has requests waiting
             if wait is not None and time.monotonic() + wait > deadline:
                 with h.lock:        # counted by the model process that takes this handle's
                     h.refused += 1  # next request
                 raise _overloaded(self.name, Refusal("deadline", wait), slot.call_timeout, slot.call_start)
-        cancel = _CANCEL.get()
-        if cancel is None:
-            return self._publish_and_wait(h, slot, arrays, deadline, names, positions)
-        cancel.watch(slot)
-        try:
-            return self._publish_and_wait(h, slot, arrays, deadline, names, positions)
-        finally:
-            cancel.unwatch()   # before the slot is lent to another call
-
-    def _publish_and_wait(self, h: "_Handles", slot: ClientSlot, arrays, deadline, names, positions):
         if h.refused:   # this datagram reports the calls refused here, unsent
             with h.lock:
                 slot.refused, h.refused = slot.refused + h.refused, 0
@@ -382,7 +361,7 @@ class SharedModel(Inputs):
             seq, sent = slot.seq, False
         except OSError as e:      # the socket is gone: the runtime stopped
             slot.withdraw()
-            self._gone(h, e)
+            self._stopped(h, f"the runtime is gone ({e.strerror or e})")
         try:
             if not sent:
                 self._send_when_room(h, slot, deadline)
@@ -403,10 +382,8 @@ class SharedModel(Inputs):
             if deadline is not None:
                 wait = min(wait, deadline - time.monotonic())
                 if wait <= 0:
-                    if slot.withdraw():
-                        raise TimeoutError(f"model {self.name!r}: no result within the timeout (the "
-                                           f"model's queue stayed full; the request was not sent)")
-                    raise TimeoutError(f"model {self.name!r}: no result within the timeout")
+                    self._on_timeout(slot, slot.seq, "the model's queue stayed full; the request was "
+                                                     "not sent")
             h.set_send_timeout(wait)
             try:
                 slot.send(slot._msg, block=True)
@@ -415,7 +392,7 @@ class SharedModel(Inputs):
                 pass
             except OSError as e:
                 slot.withdraw()
-                self._gone(h, e)
+                self._stopped(h, f"the runtime is gone ({e.strerror or e})")
             self._check_runtime(h, slot)
 
     def _await(self, h: "_Handles", slot: ClientSlot, seq: int, deadline: Optional[float]):
@@ -433,18 +410,14 @@ class SharedModel(Inputs):
             if slot.interrupted:
                 if not slot.withdraw():
                     slot.abandon(seq)
-                if slot.cancelled:
-                    slot.interrupted = slot.cancelled = False   # the slot serves the next call
+                if slot.cancelled:   # (_Cancel.unwatch clears the flags before the slot is lent again)
                     raise RuntimeStopped(f"model {self.name!r}: the awaiting task was cancelled")
                 raise RuntimeStopped(f"SharedModel({self.name!r}) was closed while this call waited")
             self._check_alive(h, slot, seq)
         status, text, structure = slot.response()
         if status != ST_OK:
-            if status == ST_STOPPED and self.runtime is not None:
-                # the runtime stopped before computing it (what a model process or the runtime
-                # answers then never ran): attached by name, the call goes to the successor
-                h.gone = True
-                raise _Resend()
+            if status == ST_STOPPED:   # the runtime stopped before computing it: it never ran
+                self._stopped(h, text or "runtime stopped")
             raise _status_error(self.name, status, text, slot.call_timeout, slot.call_start)
         outs = slot.outputs()
         out_names = slot.output_names() if structure >= OUT_DICT else b""
@@ -452,37 +425,31 @@ class SharedModel(Inputs):
         self._last.set(timing)
         return outs, structure, out_names
 
-    def _on_timeout(self, slot: ClientSlot, seq: int):
+    def _on_timeout(self, slot: ClientSlot, seq: int,
+                    unsent: str = "the request was withdrawn before any model process took it"):
         if slot.withdraw():
-            raise TimeoutError(f"model {self.name!r}: no result within the timeout (the request "
-                               f"was withdrawn before any model process took it)")
+            raise TimeoutError(f"model {self.name!r}: no result within the timeout ({unsent})")
         slot.abandon(seq)
         raise TimeoutError(f"model {self.name!r}: no result within the timeout; the request is "
                            f"being computed and its late result will be discarded")
 
-    def _gone(self, h: "_Handles", e: BaseException):
-        """The model's socket refused a datagram: its runtime is gone."""
+    def _stopped(self, h: "_Handles", why: str, resend: bool = True):
+        """``h``'s runtime is stopping or gone: attached by name, a request nobody took
+        (``resend``) goes to the successor (_Resend); else RuntimeStopped saying ``why``."""
         h.gone = True
-        if self.runtime is not None:
+        if resend and self.runtime is not None:
             raise _Resend()
-        raise RuntimeStopped(f"model {self.name!r}: the runtime is gone ({e.strerror or e})") from None
+        raise RuntimeStopped(f"model {self.name!r}: {why}") from None
 
     def _check_runtime(self, h: "_Handles", slot: ClientSlot) -> None:
         """Is the runtime still there to take a request? (Raises if not: _Resend when attached
         by name and the request was taken back, so the call goes to the successor.)"""
-        ctl = h.ctl
-        state = ctl.state
-        supervisor = int(ctl.hdr["supervisor_pid"])
+        state = h.ctl.state
+        supervisor = int(h.ctl.hdr["supervisor_pid"])
         if supervisor and not pid_alive(supervisor):
-            h.gone = True
-            if slot.withdraw():
-                if self.runtime is not None:
-                    raise _Resend()
-                raise RuntimeStopped(f"model {self.name!r}: the runtime (pid {supervisor}) is gone")
-            raise RuntimeStopped(f"model {self.name!r}: the runtime (pid {supervisor}) is gone")
-        if state == BROKEN or state == STOPPING:
-            if slot.withdraw():
-                self._raise_runtime_state(h, slot)
+            self._stopped(h, f"the runtime (pid {supervisor}) is gone", slot.withdraw())
+        if (state == BROKEN or state == STOPPING) and slot.withdraw():
+            self._raise_runtime_state(h)
 
     def _check_alive(self, h: "_Handles", slot: ClientSlot, seq: int) -> None:
         """After a poll interval without an answer: is anyone still going to answer?"""
@@ -503,15 +470,12 @@ class SharedModel(Inputs):
                 return
         self._check_runtime(h, slot)
 
-    def _raise_runtime_state(self, h: "_Handles", slot: Optional[ClientSlot] = None):
+    def _raise_runtime_state(self, h: "_Handles"):
         ctl = h.ctl
         if ctl.state == BROKEN:
             raise ModelProcessDied(ctl.message() or f"model {self.name!r}: the runtime is broken",
                                    int(ctl.hdr["broken_code"]) or None)
-        if self.runtime is not None:
-            h.gone = True
-            raise _Resend()
-        raise RuntimeStopped(f"model {self.name!r}: the runtime is shutting down")
+        self._stopped(h, "the runtime is shutting down")
 
 
 def _overloaded(name: str, why: Refusal, timeout: Optional[float], t_call: float) -> Overloaded:
@@ -544,8 +508,6 @@ def _status_error(name: str, status: int, text: str, timeout: Optional[float] = 
                           remote_type=type_name, remote_traceback=tb)
     if status == ST_BAD_REQUEST:
         return ValueError(f"model {name!r} rejected the request: {text}")
-    if status == ST_STOPPED:
-        return RuntimeStopped(f"model {name!r}: {text or 'runtime stopped'}")
     if status == ST_DIED:
         return ModelProcessDied(f"model {name!r}: {text}")
     if status == ST_FULL:
@@ -576,9 +538,6 @@ def _check_timeout(timeout) -> float:
 
 
 _MAX_PRIORITY = 1000
-
-#: In an executor thread of forward_async: the call's cancellation handle (_Cancel).
-_CANCEL: contextvars.ContextVar = contextvars.ContextVar("simpledbi_cancel", default=None)
 
 
 class _Cancel:

@@ -46,20 +46,14 @@ def _fn(lib, name, restype, *args):
 _spin_init = _fn(_libc, "pthread_spin_init", ctypes.c_int, ctypes.c_void_p, ctypes.c_int)
 _spin_trylock = _fn(_pylibc, "pthread_spin_trylock", ctypes.c_int, ctypes.c_void_p)
 _spin_unlock = _fn(_pylibc, "pthread_spin_unlock", ctypes.c_int, ctypes.c_void_p)
-_syscall = _fn(_libc, "syscall", ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_int,
-               ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint)
-_syscall_quick = _fn(_pylibc, "syscall", ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_int,
-                     ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint)
+_FUTEX_ARGS = (ctypes.c_long, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+               ctypes.c_uint)
+_syscall = _fn(_libc, "syscall", ctypes.c_long, *_FUTEX_ARGS)
+_syscall_quick = _fn(_pylibc, "syscall", ctypes.c_long, *_FUTEX_ARGS)
 
-
-def _offered_value() -> int:
-    """What an unlocked spinlock word holds on this platform (1 on x86-64, 0 elsewhere)."""
-    word = ctypes.c_int(-7)
-    _spin_init(ctypes.addressof(word), 1)
-    return word.value
-
-
-OFFERED = _offered_value()
+_word = ctypes.c_int(-7)
+_spin_init(ctypes.addressof(_word), 1)
+OFFERED = _word.value   # what an unlocked spinlock word holds on this platform (1 on x86-64, 0 elsewhere)
 
 
 # ---------------------------------------------------------------- the ticket

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 import os
 import sys
-from typing import Sequence, Tuple
+from typing import Tuple
 
 import numpy as np
 
@@ -34,18 +34,13 @@ def _normalize_shapes(max_shape) -> Tuple[Tuple[int, ...], ...]:
     return shapes
 
 
-def _declared_inputs(ctl: ControlBlock):
-    """(input names, item shapes, dtypes) the model declares, as the runtime published them in
-    its control block before it was RUNNING (empty where it declares none, or not yet)."""
-    names, shapes, dtypes = ctl.declared()
-    return names, shapes, tuple(np.dtype(d) for d in dtypes)
-
-
-def _client_inputs(model: str, declared, max_shape, dtype, max_batch: int):
-    """This client's (max_shapes, dtypes): as given, else as the model declares them (rows:
-    its max_batch_size; dtype: float32 where undeclared). A dtype that contradicts the
-    declared one is refused here, not by the model process later."""
-    names, shapes, decl_dtypes = declared
+def _client_inputs(model: str, ctl: ControlBlock, max_shape, dtype):
+    """This client's (max_shapes, dtypes, input names): as given, else as the model declares
+    them (rows: its max_batch_size; dtype: float32 where undeclared) in its control block
+    (published before it was RUNNING; empty where it declares none, or not yet). A dtype that
+    contradicts the declared one is refused here, not by the model process later."""
+    names, shapes, decl_dtypes = ctl.declared()
+    decl_dtypes, max_batch = tuple(map(np.dtype, decl_dtypes)), int(ctl.hdr["max_batch"])
     if max_shape is None:
         if not shapes:
             raise TypeError(f"SharedModel({model!r}): expected max_shape=(rows, *item_shape), since the "
@@ -65,9 +60,15 @@ def _client_inputs(model: str, declared, max_shape, dtype, max_batch: int):
     dtypes = [code_dtype(dtype_code(d)) for d in dtypes]
     for k, (got, want) in enumerate(zip(dtypes, decl_dtypes)):
         if got != want:
-            raise TypeError(f"dtype: input {_label(names, k)}: model {model!r} declares {want}, got {got}")
+            label = repr(names[k]) if k < len(names) else k
+            raise TypeError(f"dtype: input {label}: model {model!r} declares {want}, got {got}")
     _check_slot_size(max_shapes, dtypes)
-    return max_shapes, dtypes
+    if any(s[0] != max_shapes[0][0] for s in max_shapes):
+        raise ValueError(f"max_shape: every input needs the same row count, got {[s[0] for s in max_shapes]}")
+    if max_shapes[0][0] > max_batch:
+        raise ValueError(f"max_shape has {max_shapes[0][0]} rows but model {model!r} has "
+                         f"max_batch_size={max_batch}: a request must fit in one batch")
+    return max_shapes, dtypes, names
 
 
 def _check_slot_size(max_shapes, dtypes) -> None:
@@ -84,32 +85,13 @@ def _check_slot_size(max_shapes, dtypes) -> None:
                          f"({memory / 2**30:,.1f} GiB): expected the largest request this client sends")
 
 
-def _label(names: Sequence[str], k: int) -> str:
-    return repr(names[k]) if k < len(names) else str(k)
-
-
-def _is_torch(x) -> bool:
-    return type(x).__module__.startswith("torch") and "torch" in sys.modules and \
-        isinstance(x, sys.modules["torch"].Tensor)
-
-
 class Inputs:
     def _set_inputs(self, h) -> None:
         """This client's max_shapes, dtypes and input names (_client_inputs)."""
-        max_shape, dtype = self._args
-        max_batch = int(h.ctl.hdr["max_batch"])
-        declared = _declared_inputs(h.ctl)
-        self.max_shapes, self.dtypes = _client_inputs(self.name, declared, max_shape, dtype, max_batch)
-        self._fits: set = set()   # (position, shape) of inputs that fit max_shapes (_check_shape)
-        self.input_names = declared[0]
-        self._name_index = {n: j for j, n in enumerate(self.input_names)}
+        self.max_shapes, self.dtypes, self.input_names = _client_inputs(self.name, h.ctl, *self._args)
         self.max_rows = self.max_shapes[0][0]
-        if any(s[0] != self.max_rows for s in self.max_shapes):
-            raise ValueError(f"max_shape: every input needs the same row count, got "
-                             f"{[s[0] for s in self.max_shapes]}")
-        if self.max_rows > max_batch:
-            raise ValueError(f"max_shape has {self.max_rows} rows but model {self.name!r} has "
-                             f"max_batch_size={max_batch}: a request must fit in one batch")
+        self._fits: set = set()   # (position, shape) of inputs that fit max_shapes (_check_shape)
+        self._name_index = {n: j for j, n in enumerate(self.input_names)}
 
     def _validate(self, inputs, named=None):
         """(arrays, as_torch, names mask, positions): the inputs checked against this client's
@@ -126,7 +108,8 @@ class Inputs:
         for k, x in enumerate(inputs):
             p = k if positions is None else positions[k]
             max_s, dt = self.max_shapes[p], self.dtypes[p]
-            if not isinstance(x, np.ndarray) and _is_torch(x):   # numpy first: the common case
+            if not isinstance(x, np.ndarray) and type(x).__module__.startswith("torch") and \
+                    "torch" in sys.modules and isinstance(x, sys.modules["torch"].Tensor):  # numpy first
                 if x.device.type != "cpu":
                     raise TypeError(f"input {self._label(p)}: expected a CPU tensor, got one on {x.device}")
                 as_torch = True
@@ -167,7 +150,7 @@ class Inputs:
         self._fits.add((p, x.shape))
 
     def _label(self, k: int) -> str:
-        return _label(self.input_names, k)
+        return repr(self.input_names[k]) if k < len(self.input_names) else str(k)
 
     def _bind(self, inputs, named) -> Tuple[list, Tuple[int, ...]]:
         """Inputs given by name (keywords, or one dict; positional ones first take the first
@@ -178,7 +161,7 @@ class Inputs:
                 raise TypeError(f"model {self.name!r}: expected a dict of input names (str) to "
                                 f"arrays, got keys {list(named)!r}")
         if not self._name_index and int(self._h.ctl.hdr["spec_len"]):
-            self.input_names = _declared_inputs(self._h.ctl)[0]  # attached before they were published
+            self.input_names = self._h.ctl.declared()[0]  # attached before they were published
             self._name_index = {n: j for j, n in enumerate(self.input_names)}
         index, accepted = self._name_index, ", ".join(self.input_names)
         if not index:

@@ -75,7 +75,6 @@ _Q2 = struct.Struct("<QQ")
 _CLAIM = struct.Struct("<qqq")   # instance, pid, seq
 _RESP_WORDS = RESPONSE.itemsize // 8
 _I64S = struct.Struct(f"<{_RESP_WORDS}q")
-_RESP_UNPACK = _I64S.unpack_from
 _CLAIMER_ROWS, _TIMES = struct.Struct("<qq"), struct.Struct("<dd")
 (_RS_STATUS, _RS_NOUT, _RS_STRUCT, _RS_NAMESLEN, _RS_ERRLEN, _RS_CLAIMER, _RS_ROWS, _RS_NEEDED,
  _RS_TCLOSE, _RS_TDONE, _RS_DTYPE, _RS_NDIM, _RS_OFFSET, _RS_DIMS) = (RESP_WORD[n] for n in RESPONSE.names)
@@ -168,20 +167,20 @@ class ClientSlot:
         if layout is None:
             if len(self._layouts) > 256:
                 self._layouts.clear()
-            layout = self._layouts[key] = self._layout(names, positions, items)
+            parts = [LAYOUT_HEAD.pack(self.out_offset, names, len(positions))]
+            for p, item in zip(positions, items):
+                parts.append(INPUT_HEAD.pack(self._codes[p], len(item), self._inputs[p][1]))
+                parts.append(struct.pack(f"<{len(item)}q", *item))
+            layout = self._layouts[key] = b"".join(parts)
         self.seq += 1
-        seq, now = self.seq, time.monotonic()
+        seq, now, refused = self.seq, time.monotonic(), min(self.refused, 2**31 - 1)
         _I64.pack_into(self.seg.buf, PUB_SEQ_OFF, seq)
         futex.offer(self._ticket)
-        self._msg = msg = self._prefix_bytes(seq, arrays[0].shape[0], now, deadline, priority) + layout
+        _SEQ_ROWS_T.pack_into(self._prefix, _SEQ_B, seq, arrays[0].shape[0], now, deadline, priority, refused)
+        self.refused -= refused
+        self._msg = msg = bytes(self._prefix) + layout
         self.send(msg)
         return seq
-
-    def _prefix_bytes(self, seq: int, rows: int, now: float, deadline: float, priority: int) -> bytes:
-        p, refused = self._prefix, min(self.refused, 2**31 - 1)
-        _SEQ_ROWS_T.pack_into(p, _SEQ_B, seq, rows, now, deadline, priority, refused)
-        self.refused -= refused
-        return bytes(p)
 
     def send(self, msg: bytes, block: bool = False) -> None:
         """One datagram to the model's socket. BlockingIOError when its queue is full -- at once,
@@ -197,13 +196,6 @@ class ClientSlot:
         msg = bytearray(self._msg)
         _REFUSED.pack_into(msg, _REFUSED_B, 0)
         self.send(bytes(msg))
-
-    def _layout(self, names: int, positions, items) -> bytes:
-        parts = [LAYOUT_HEAD.pack(self.out_offset, names, len(positions))]
-        for p, item in zip(positions, items):
-            parts.append(INPUT_HEAD.pack(self._codes[p], len(item), self._inputs[p][1]))
-            parts.append(struct.pack(f"<{len(item)}q", *item))
-        return b"".join(parts)
 
     def answered(self, seq: int) -> bool:
         return int(self._resp_seq[0]) == seq
@@ -265,7 +257,7 @@ class ClientSlot:
     # ------------------------------------------------------------ read
     def response(self) -> Tuple[int, str, int]:
         """(status, error text, structure) of the response just written; reads its header once."""
-        w = self._rw = _RESP_UNPACK(self.seg.buf, RESP_OFF)
+        w = self._rw = _I64S.unpack_from(self.seg.buf, RESP_OFF)
         status = w[_RS_STATUS]
         text = ""
         if status != ST_OK:
@@ -446,10 +438,6 @@ class Peer:
         """Did the caller of request ``seq`` stop waiting for it (ClientSlot.abandon)?"""
         return _I64.unpack_from(self.seg.buf, ABANDON_OFF)[0] == seq
 
-    def idle(self) -> bool:
-        """Is no request of this slot waiting or being computed (its client may send one)?"""
-        return _I64.unpack_from(self.seg.buf, PUB_SEQ_OFF)[0] == _I64.unpack_from(self.seg.buf, RESP_SEQ_OFF)[0]
-
     def claim(self, seq: int, instance: int, pid: int) -> bool:
         """Take request ``seq``'s ticket (its own: layout.TICKETS). A datagram of an older
         request (withdrawn; its client has published a newer one since) takes nothing."""
@@ -498,16 +486,13 @@ class Peer:
         """Write outputs (rows of this request), the response header (with ``names``, the keys of
         a dict / namedtuple answer) and, last, RESP_SEQ; then wake the client (or leave that to
         :meth:`wake`). ``outputs``: a :class:`Rows`. Never raises for a client's fault."""
-        if status == ST_OK and not text:
-            try:
-                self._respond_ok(seq, outputs, out_offset, structure, names, claimer, t_close, batch_rows)
-            except (OSError, TypeError, ValueError) as e:
-                status, text = ST_BAD_REQUEST, f"could not write the outputs into the client's slot: {e}"
-            else:
-                if wake:
-                    self.wake(seq)
-                return
         try:
+            if status == ST_OK and not text:
+                try:
+                    self._respond_ok(seq, outputs, out_offset, structure, names, claimer, t_close, batch_rows)
+                    return
+                except (OSError, TypeError, ValueError) as e:
+                    status, text = ST_BAD_REQUEST, f"could not write the outputs into the client's slot: {e}"
             w = [0] * _RESP_WORDS
             data = text.encode("utf-8", "replace")[:ERR_BYTES]
             self.u8[ERR_OFF:ERR_OFF + len(data)] = np.frombuffer(data, np.uint8)
@@ -523,9 +508,9 @@ class Peer:
                 self.wake(seq)
 
     def _respond_ok(self, seq, outputs, out_offset, structure, names, claimer, t_close, batch_rows) -> None:
-        """Outputs, then a response header built once per output signature (structure, dtypes,
-        shapes, offsets) and only the words it uses, then RESP_SEQ. ``outputs``: arrays, or an
-        :class:`Rows` (the rows of a batch's outputs, copied with one memmove each)."""
+        """Outputs (the :class:`Rows` of a batch's outputs, copied with one memmove each), then a
+        response header built once per output signature (structure, dtypes, shapes, offsets) and
+        only the words it uses, then RESP_SEQ."""
         key = (structure, out_offset, names, outputs.sig)
         head = self._heads.get(key)
         if head is None:

@@ -237,4 +237,3 @@ def format_status(info: RuntimeInfo) -> str:
             lines.append(f"  {i.index:>4} {i.pid:>8} {i.device:<7} {st:<10} {i.restarts:>8} "
                          f"{i.requests:>9} {i.batches:>8} {i.cuda_graphs:>6}")
     return "\n".join(lines)
-
