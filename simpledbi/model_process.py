@@ -142,7 +142,7 @@ class ModelServer(Holding):
     being collected and the one on the device."""
 
     def __init__(self, spec: ModelProcessSpec, sock, ctl_fd: int):
-        from .engine import Engine, Gather  # torch is imported only in model processes
+        from .engine import Engine, Gather, resolve_device  # torch is imported only in model processes
         self._Gather = Gather
         self.spec = spec
         cfg = spec.config
@@ -152,9 +152,10 @@ class ModelServer(Holding):
         self.ctl = ControlBlock.attach(spec.namespace, cfg.name, readonly=False, fd=ctl_fd)
         inst = self.ctl.all_instances[self.me]
         inst["pid"], inst["t_start"] = os.getpid(), time.time()
-        self.engine = Engine(cfg, self.me % cfg.model_num, spec.cpu_model_procs)
-        dev = self.engine.device
+        k = self.me % cfg.model_num
+        dev = resolve_device(cfg.device_of(k), cfg.gpu_ordinal(k))   # status shows it while loading
         inst["device"] = -1 if dev.type == "cpu" else (dev.index or 0)
+        self.engine = Engine(cfg, k, spec.cpu_model_procs)
         self.max_batch = int(cfg.max_batch_size)
         self.policy = batching.Policy(self.max_batch, float(cfg.wait_time), cfg.latency_target,
                                       adaptive=cfg.batching == "adaptive")

@@ -32,7 +32,8 @@ from .interrupts import children_deaf_to_ctrl_c
 from .janitor import janitor_main
 from .logs import LogRelay
 from .intake import answer_queued
-from .layout import BROKEN, DRAINING, RUNNING, ST_STOPPED, STOPPING, ControlBlock, socket_path
+from .layout import (BROKEN, DRAINING, INST_LOADING, INST_RESTARTING, RUNNING, ST_STOPPED, STOPPING, ControlBlock,
+                     socket_path)
 from .model_process import ModelProcessSpec, model_process_main
 from .shm import InheritedFd, new_namespace, sweep_dead_namespaces, sweep_namespace
 from .reload import Reloads
@@ -218,7 +219,8 @@ class Runtime(Supervision, Reloads, Workers):
             left = deadline - time.monotonic()
             if left <= 0:
                 names = sorted({f"{m.cfg.name}|{m.instance}" for m in waiting.values()})
-                raise TimeoutError(f"model processes {names} did not load within their load_timeout")
+                raise TimeoutError(f"model processes {names} did not load within their load_timeout "
+                                   f"({max(m.cfg.load_timeout for m in procs):g} s)")
             for obj in wait(list(waiting) + list(sentinels), timeout=left):
                 if obj in waiting:
                     m = waiting.pop(obj)
@@ -346,6 +348,11 @@ class Runtime(Supervision, Reloads, Workers):
             _join_or_kill(proc, self.options.join_timeout)
         with self._lifecycle_lock:  # a reload thread adds or drops processes only under it
             procs = self.model_procs
+        for m in procs:
+            # Still loading (the user's factory, a warm-up): it holds no request and would see
+            # STOPPING only once loaded -- a Ctrl-C during a long load waited out join_timeout.
+            if self.ctls[m.cfg.name].all_instances[m.row]["state"] in (INST_LOADING, INST_RESTARTING):
+                m.proc.terminate()
         deadline = time.monotonic() + self.options.join_timeout
         for m in procs:
             m.proc.join(max(0.0, deadline - time.monotonic()))

@@ -169,6 +169,30 @@ def test_sigterm_to_a_runtimes_whole_process_group_leaves_nothing_behind():
 
 
 @pytest.mark.timeout(120)
+def test_ctrl_c_while_a_model_loads_stops_at_once(tmp_path):
+    # A loading process holds no request and sees STOPPING only once loaded: shutdown used to
+    # wait out join_timeout (30 s here) for it before terminating it.
+    proc = subprocess.Popen([sys.executable, "-m", "tests.apps.app", "slow_load", str(tmp_path)], cwd=ROOT,
+                            text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(tmp_path / "loading"):   # the factory runs
+            assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
+            threading.Event().wait(0.01)   # bounded wait on a file condition
+        t = time.monotonic()
+        os.killpg(proc.pid, signal.SIGINT)   # what Ctrl-C in its terminal does
+        out, err = proc.communicate(timeout=60)
+        took = time.monotonic() - t
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 130 and "INTERRUPTED" in out, (out, err)
+    assert took < 20, f"Ctrl-C took {took:.1f} s to stop a runtime whose model was loading"
+    assert ours(proc.pid) == []
+
+
+@pytest.mark.timeout(120)
 def test_sigkill_of_the_main_process_leaves_nothing_behind():
     proc = _start("busy")
     _wait_line(proc, "READY")

@@ -5,6 +5,7 @@
 MODE: ok | worker_raises | worker_dies | busy (loops until signalled; prints READY <janitor pid>)
 | model_dies (a request segfaults its model process once: it is restarted, the run goes on)
 | model_broken (every request segfaults: after max_restarts the model is broken and Run raises)
+| slow_load DIR (a factory that touches DIR/loading, then takes minutes; join_timeout 30 s)
 | runtime NAME (a started ``Runtime`` named NAME, served once, then idle with no signal handler
 of its own: what a notebook kernel holds; prints READY)
 APP_SLOW_START=DIR: each child, while it starts, creates DIR/<pid> and sleeps 3 s.
@@ -33,6 +34,11 @@ def affine():
 def faulty():
     from tests.models import Faulty
     return Faulty()
+
+
+def endless_load():
+    open(os.path.join(os.environ["APP_LOADING_DIR"], "loading"), "w").close()
+    time.sleep(600)
 
 
 def worker(rank, mode):
@@ -83,6 +89,15 @@ def main(mode):
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if mode == "runtime":
         hold_a_runtime(sys.argv[2])
+    if mode == "slow_load":
+        os.environ["APP_LOADING_DIR"] = sys.argv[2]   # inherited by the model process
+        cfg = ModelConfig(name="m", factory=endless_load, device="cpu", load_timeout=900)
+        try:
+            Run(target=worker, worker_num=1, args=(mode,), models=[cfg],
+                options=RuntimeOptions(join_timeout=30.0))
+        except KeyboardInterrupt:
+            print("INTERRUPTED", flush=True)
+            return 130
     factory = faulty if mode in ("model_dies", "model_broken") else affine
     cfg = ModelConfig(name="m", factory=factory, max_batch_size=4, model_num=2, wait_time=0.001,
                       device="cpu", num_threads=1, max_restarts=1, restart_backoff=0.05)
