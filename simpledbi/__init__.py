@@ -10,7 +10,6 @@
         Run(target=worker, worker_num=8,
             models=[ModelConfig(name="resnet50", path="resnet50.pt", max_batch_size=32, model_num=2)])
 """
-import logging as _logging
 
 from .client import SharedModel
 from .config import ModelConfig, RuntimeOptions
@@ -37,4 +36,3 @@ __all__ = [
 ]
 __version__ = "0.2.0"
 
-_logging.getLogger(__name__).addHandler(_logging.NullHandler())

@@ -48,7 +48,7 @@ class Reloads:
                     cfg = dataclasses.replace(cfg, path=source, factory=None)
                 else:
                     cfg = dataclasses.replace(cfg, path=None, factory=sources.ship(
-                        model, source, self.ctx.get_start_method()))
+                        f"model {model!r}: factory", source, self.ctx.get_start_method()))
             ctl = self.ctls[model]
             if ctl.state != RUNNING:
                 raise RuntimeError(f"reload {model!r}: the model is "

@@ -408,6 +408,9 @@ def Run(target: Optional[Callable] = None, worker_num: int = 1, args: Sequence =
         raise TypeError(f"args: expected a tuple, got {type(args).__name__}")
     if kwargs is not None and not isinstance(kwargs, dict):
         raise TypeError(f"kwargs: expected a dict, got {type(kwargs).__name__}")
+    if target is not None and worker_num:
+        sources.forget_unreadable_main_file(start_method)   # NOTE [a __main__ that is no file]
+        target = sources.ship("Run: target", target, start_method, "worker processes")
     runtime = Runtime(models, options, start_method, name=name)
     previous = None
     if threading.current_thread() is threading.main_thread():
@@ -449,7 +452,7 @@ def _check_startable(models: List[ModelConfig], start_method: str) -> None:
         if cfg.path is not None and not os.path.exists(cfg.path):
             raise FileNotFoundError(f"model {cfg.name!r}: no model file at {cfg.path!r}")
         if cfg.factory is not None and start_method != "fork":
-            factory = sources.ship(cfg.name, cfg.factory, start_method)
+            factory = sources.ship(f"model {cfg.name!r}: factory", cfg.factory, start_method)
             try:
                 ForkingPickler.dumps(factory)
             except Exception as e:  # noqa: BLE001 - pickle raises many kinds

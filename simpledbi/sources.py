@@ -41,8 +41,8 @@ class ByValue:
         self.payload = payload
         self.name = describe(factory)
 
-    def __call__(self):
-        return pickle.loads(self.payload)()
+    def __call__(self, *args, **kwargs):
+        return pickle.loads(self.payload)(*args, **kwargs)
 
     def __repr__(self) -> str:
         return f"<{self.name}, sent by value>"
@@ -125,9 +125,11 @@ class _MainFinder(pickle.Pickler):
         return NotImplemented
 
 
-def ship(name: str, factory: Callable[[], Any], start_method: str) -> Callable[[], Any]:
-    """``factory`` as it can travel to a model process started with ``start_method``: itself
-    when the child can import it by name (or inherits it, under fork), else a ByValue."""
+def ship(what: str, factory: Callable[..., Any], start_method: str,
+         children: str = "model processes") -> Callable[..., Any]:
+    """``factory`` (a model's factory, or ``Run``'s target: ``what`` says which, as messages name
+    it) as it can travel to ``children`` started with ``start_method``: itself when they can
+    import it by name (or inherit it, under fork), else a ByValue."""
     if start_method == "fork" or isinstance(factory, ByValue):
         return factory
     why = why_not_importable(factory)
@@ -137,17 +139,16 @@ def ship(name: str, factory: Callable[[], Any], start_method: str) -> Callable[[
         import cloudpickle
     except ImportError:
         raise TypeError(
-            f"model {name!r}: factory {describe(factory)} cannot reach the model processes: {why}, "
-            f"and they are started with {start_method!r}, so they import a factory by name. Either "
-            f"{_NOTEBOOK_EXTRA} (cloudpickle: simpledbi then sends the factory by value), or move "
-            f"the factory into a module they can import (a .py file beside your notebook or script, "
-            f"then `from mymodels import build`)") from None
+            f"{what} {describe(factory)} cannot reach the {children}: {why}, and they are started "
+            f"with {start_method!r}, so they import it by name. Either {_NOTEBOOK_EXTRA} "
+            f"(cloudpickle: simpledbi then sends it by value), or move it into a module they can "
+            f"import (a .py file beside your notebook or script, then `from mymodels import build`)"
+        ) from None
     try:
         payload = cloudpickle.dumps(factory)
     except Exception as e:  # noqa: BLE001 - pickling raises many kinds
-        raise TypeError(f"model {name!r}: factory {describe(factory)} cannot be sent to a model "
-                        f"process by value either ({type(e).__name__}: {e}); move it into an "
-                        f"importable module") from None
+        raise TypeError(f"{what} {describe(factory)} cannot be sent to the {children} by value "
+                        f"either ({type(e).__name__}: {e}); move it into an importable module") from None
     return ByValue(factory, payload)
 
 

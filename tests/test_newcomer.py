@@ -73,7 +73,7 @@ def test_without_cloudpickle_such_a_factory_is_refused_before_start_up_saying_wh
     last = p.stderr.strip().splitlines()[-1]
     assert last.startswith("TypeError: model 'net': factory __main__.build cannot reach the model "
                            "processes: it is defined in __main__, which here is python -c"), last
-    assert "pip install 'simpledbi[notebook]'" in last and "move the factory into a module" in last
+    assert "pip install 'simpledbi[notebook]'" in last and "move it into a module" in last
     assert "ModelProcessDied" not in p.stderr   # refused before any model process started
 
 
@@ -100,6 +100,40 @@ def test_a_factory_defined_in_a_jupyter_notebook_is_sent_by_value():
         km.shutdown_kernel(now=True)
     assert reply["content"]["status"] == "ok", errors
     assert "ANSWER [[3.0, 3.0, 3.0]]" in "".join(out), (out, errors)
+
+
+# A whole Run from a notebook cell or stdin: its target, like a factory, lives in __main__.
+RUN_SNIPPET = """
+import numpy as np
+from simpledbi import ModelConfig, Run, SharedModel
+from tests.models import affine
+
+def worker(rank):
+    return SharedModel("net", (1, 3)).forward(np.full((1, 3), rank, np.float32)).tolist()
+
+print("ANSWER", Run(target=worker, worker_num=2, models=[
+    ModelConfig(name="net", factory=affine, device="cpu", num_threads=1)]), flush=True)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_run_target_defined_on_stdin_is_sent_by_value():
+    # each worker printed "AttributeError: Can't get attribute 'worker' on <module '__main__'>",
+    # and Run raised a WorkerError that did not say why
+    pytest.importorskip("cloudpickle")
+    p = _python("-", stdin=RUN_SNIPPET)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "ANSWER [[[1.0, 1.0, 1.0]], [[3.0, 3.0, 3.0]]]" in p.stdout, p.stdout
+    assert _no_tracebacks_from_children(p.stderr), p.stderr[-3000:]
+
+
+@pytest.mark.timeout(120)
+def test_without_cloudpickle_such_a_run_target_is_refused_before_start_up():
+    p = _python("-c", HIDE_CLOUDPICKLE + RUN_SNIPPET)
+    assert p.returncode == 1
+    last = p.stderr.strip().splitlines()[-1]
+    assert last.startswith("TypeError: Run: target __main__.worker cannot reach the worker processes: "
+                           "it is defined in __main__, which here is python -c"), last
 
 
 def test_which_factories_travel_by_value():
