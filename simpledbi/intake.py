@@ -317,8 +317,11 @@ def answer_queued(sock: socket.socket, status: int, text: str, most: int = 10000
             try:
                 if len(data) < REQ_PREFIX.size or pid <= 0 or uid != os.getuid():
                     continue
+                if FWD_PREFIX.unpack_from(data)[0] == FWD_MAGIC and len(data) >= FWD_PREFIX.size + REQ_PREFIX.size:
+                    # handed back by a model process (Intake.hand_back): its client is inside
+                    pid, data = FWD_PREFIX.unpack_from(data)[2], data[FWD_PREFIX.size:]
                 magic, fd_no, token, seq, *_ = REQ_PREFIX.unpack_from(data)
-                if magic != REQ_MAGIC:
+                if magic != REQ_MAGIC or pid <= 0:
                     continue
                 peer = peers.get((pid, token))
                 if peer is None:

@@ -3,6 +3,7 @@ bound, priority order, a fair share per client process, and what stats() counts.
 from __future__ import annotations
 
 import functools
+import os
 import multiprocessing as mp
 import threading
 import time
@@ -390,3 +391,33 @@ def test_cancelled_calls_a_model_process_took_do_not_run(start_runtime, gate):
     np.testing.assert_array_equal(m.forward(X * 7), X * 15)   # its slots serve again
     s = m.stats()
     assert s["requests"] == 3 and s["withdrawn"] == 3, (s, got)
+
+
+def test_the_runtime_answers_a_handed_back_request_left_on_the_socket_when_it_stops():
+    """Requests still queued on a model's socket when the runtime stops are answered "stopped"
+    (intake.answer_queued) -- a request a model process handed back (Intake.hand_back: wrapped,
+    naming its client) too, not only as its client sent it."""
+    import socket
+    from simpledbi.intake import answer_queued
+    from simpledbi.layout import FWD_MAGIC, FWD_PREFIX, ST_STOPPED
+    from simpledbi.slots import ClientSlot
+    rx, tx = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+    rx.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+    slot = ClientSlot(tx, [(1, 4)], [np.dtype(np.float32)], send_fd=True)
+    try:
+        seq = slot.publish([X])
+        data, anc, _, _ = rx.recvmsg(1 << 16, 1024)   # a model process took it ...
+        fds = [fd for level, kind, blob in anc if kind == socket.SCM_RIGHTS
+               for fd in np.frombuffer(blob, np.int32).tolist()]
+        try:   # ... and hands it back, as Intake.hand_back does
+            tx.sendmsg([FWD_PREFIX.pack(FWD_MAGIC, 0, os.getpid()) + data],
+                       [(socket.SOL_SOCKET, socket.SCM_RIGHTS, np.array(fds, np.int32).tobytes())])
+        finally:
+            for fd in fds:
+                os.close(fd)
+        assert answer_queued(rx, ST_STOPPED, "the runtime stopped") == 1
+        assert slot.answered(seq) and slot.response()[0] == ST_STOPPED
+    finally:
+        slot.detach()
+        rx.close()
+        tx.close()
