@@ -240,21 +240,28 @@ def main():
             got, d = run_clients(ns, a, 0.0, closed // a.procs, a.procs, None)
             cap = summarize(got, d, float("inf"))["throughput"]
         result["capacity"] = cap
+        probe = SharedModel("m", max_shape=(1, *item_shape(a)), namespace=ns)
         print(f"capacity: {cap:.0f} req/s ({closed} closed-loop callers)", flush=True)
         if "curve" in parts:
             result["curve"] = []
             for load in [float(x) for x in a.loads.split(",")]:
                 for mode in ("shed", "queue"):
+                    before = probe.stats()
                     got, d = run_clients(ns, a, load * cap, a.threads, a.procs,
                                          a.timeout if mode == "shed" else None)
                     s = summarize(got, d, a.timeout)
-                    s.update(mode=mode, load=load, offered=load * cap)
+                    after = probe.stats()   # the model's own counts over the phase (and its margins)
+                    batches = after["batches"] - before["batches"]
+                    s.update(mode=mode, load=load, offered=load * cap, batches=batches,
+                             mean_batch=(after["rows"] - before["rows"]) / max(batches, 1),
+                             expired=after["expired"] - before["expired"])
                     result["curve"].append(s)
                     print(f"{mode:5} {load:.1f}x: goodput {s['goodput']:.0f}/s "
                           f"({s['goodput'] / cap:.0%} of capacity)  p50 {s['p50_ms']} p99 {s['p99_ms']} ms  "
                           f"shed {s['shed_deadline']}+{s['shed_queue']} (p50 {s['shed_p50_ms']}, p99 "
                           f"{s['shed_p99_ms']}, max {s['shed_max_ms']} ms, {s['shed_within_1ms']} within 1 ms)  timeouts {s['timeouts']}  "
-                          f"late {s['late_answers']}  errors {s['errors']}  harness lag p99 {s['call_lag_p99_ms']} ms", flush=True)
+                          f"late {s['late_answers']}  errors {s['errors']}  harness lag p99 {s['call_lag_p99_ms']} ms  "
+                          f"model: {s['batches']} batches of {s['mean_batch']:.1f} rows, {s['expired']} expired", flush=True)
         if "priority" in parts:
             result["priority"] = {}
             for load in (0.5, 2.0):
@@ -276,7 +283,7 @@ def main():
                 result["fairness"][name] = per
                 print(f"fairness {name}: " + " ".join(f"{x:.0f}" for x in per)
                       + f"  (capacity / 8 = {cap / 8:.0f})", flush=True)
-        result["stats"] = SharedModel("m", max_shape=(1, *item_shape(a)), namespace=ns).stats()
+        result["stats"] = probe.stats()
     with open(a.out + ".json", "w") as f:
         json.dump(result, f, indent=1)
     plot(result, a.out + ".png")
