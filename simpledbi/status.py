@@ -171,7 +171,7 @@ def _model_info(name: str, ctl: ControlBlock) -> ModelInfo:
         if i not in active and not (row["state"] == INST_RETIRING and pid_alive(pid)):
             continue
         instances.append(InstanceInfo(
-            index=i, pid=pid, device="cpu" if dev < 0 else f"cuda:{dev}",
+            index=i, pid=pid, device="-" if not pid else "cpu" if dev < 0 else f"cuda:{dev}",   # (not started)
             state=INST_STATE_NAMES.get(int(row["state"]), str(int(row["state"]))),
             alive=pid_alive(pid), restarts=int(row["restarts"]), cuda_graphs=int(row["graphs"]),
             requests=int(c["requests"][i]), batches=int(c["batches"][i]), started=float(row["t_start"])))

@@ -112,6 +112,22 @@ def test_model_processes_of_a_runtime_killed_while_they_load_print_no_traceback(
     assert err.count("\n") <= 6, err
 
 
+@pytest.mark.timeout(180)
+def test_status_shows_a_loading_process_on_its_device(tmp_path):
+    # `simpledbi status` showed "cuda:0 loading" for a CPU model: the device was written once loaded
+    from simpledbi import inspect
+    name = f"t{os.getpid()}-{secrets.token_hex(3)}"
+    marker = tmp_path / "loading"
+    p = _serve(name, "m=tests.models:slow_to_load", env={"SDBI_TEST_LOADING": str(marker)})
+    try:
+        _until(marker.exists, what="a model process loading")   # inside its 3 s factory now
+        loading = [i for i in inspect(name).models[0].instances if i.state == "loading"]
+        assert loading and all(i.device == ("cpu" if i.pid else "-") for i in loading), loading
+        assert any(i.pid for i in loading), loading
+    finally:
+        _kill(p, signal.SIGTERM)
+
+
 # 4 --------------------------------------------------------------------------------------------
 def test_last_timing_under_asyncio(start_runtime):
     rt = start_runtime(cpu_model("affine", models.affine, max_batch_size=8, wait_time=0.001))
