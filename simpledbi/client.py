@@ -34,8 +34,8 @@ from .errors import (ModelError, ModelProcessDied, Overloaded, RuntimeStopped, R
                      SlotsExhausted)
 from .inputs import Inputs
 from .layout import (BROKEN, OUT_DICT, OUT_TENSOR, OUT_TUPLE, ST_BAD_REQUEST, ST_DIED, ST_EXPIRED, ST_FULL,
-                     ST_INTERNAL, ST_MODEL_ERROR, ST_OK, ST_OVERLOADED, ST_STOPPED, STOPPING, ControlBlock,
-                     decode_names, socket_path)
+                     ST_INTERNAL, ST_MODEL_ERROR, ST_OK, ST_OVERLOADED, ST_STOPPED, STARTING, STOPPING,
+                     ControlBlock, decode_names, socket_path)
 from .overload import Refusal
 from .shm import SHM_DIR, pid_alive
 from .slots import ClientSlot, _dumpable
@@ -108,8 +108,8 @@ class SharedModel(Inputs):
     Which runtime: ``namespace=`` (``Runtime.namespace``), else ``runtime=`` (a runtime started
     with a name, e.g. ``simpledbi serve --name myapp``), else the one that started this process
     (``Run``), else ``$SIMPLEDBI_RUNTIME``. A client attached by name waits up to
-    ``connect_timeout`` seconds for that runtime to come up, and when it restarts, re-attaches on
-    the next call.
+    ``connect_timeout`` seconds for that runtime to come up (its model processes loaded), and when
+    it restarts, re-attaches on the next call.
     """
 
     def __init__(self, name: str, max_shape=None, dtype=None, *, runtime: Optional[str] = None,
@@ -178,7 +178,7 @@ class SharedModel(Inputs):
         deadline, call_timeout = now + self.connect_timeout, None
         if call_deadline is not None and call_deadline < deadline:
             deadline, call_timeout = call_deadline, call_deadline - now
-        pause, told = 0.01, False
+        pause, told, starting = 0.01, False, False
         while True:
             reg = naming.resolve(self.runtime)
             if reg is None and not told and avoid is None:
@@ -190,20 +190,30 @@ class SharedModel(Inputs):
                     raise LookupError(f"runtime {self.runtime!r} serves {list(reg.models)}, not "
                                       f"{self.name!r}")
                 try:
-                    return _Handles.open(reg.namespace, self.name)
+                    h = _Handles.open(reg.namespace, self.name)
                 except (LookupError, RuntimeError, OSError):
-                    pass  # still creating its files, or gone again: look once more
+                    h = None  # still creating its files, or gone again: look once more
+                if h is not None:
+                    if h.ctl.state != STARTING:
+                        return h
+                    # its model processes still load: what the model declares (input shapes,
+                    # dtypes, names) is published with RUNNING, and this client is built on it
+                    starting = True
+                    h.release()
             left = deadline - time.monotonic()
             if left <= 0:
                 what = "came back" if avoid else "is running"
+                if starting:
+                    what = "finished starting (its model processes were still loading)"
                 if call_timeout is not None:
                     raise RuntimeUnavailable(
                         f"model {self.name!r}: no result within the timeout ({call_timeout:.3g} s): "
                         f"no simpledbi runtime named {self.runtime!r} {what} meanwhile")
-                raise RuntimeStopped(
-                    f"no simpledbi runtime named {self.runtime!r} {what} within the connect "
-                    f"timeout ({self.connect_timeout:g} s); start it with `simpledbi serve "
-                    f"--name {self.runtime} ...` or Runtime(models, name={self.runtime!r})")
+                hint = ("raise connect_timeout for a model that loads longer" if starting else
+                        f"start it with `simpledbi serve --name {self.runtime} ...` or "
+                        f"Runtime(models, name={self.runtime!r})")
+                raise RuntimeStopped(f"no simpledbi runtime named {self.runtime!r} {what} within the "
+                                     f"connect timeout ({self.connect_timeout:g} s); {hint}")
             # Connecting is rare (start-up, a runtime restart): a short backed-off poll of the
             # registration file costs nothing while requests flow.
             time.sleep(min(pause, left))

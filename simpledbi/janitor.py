@@ -1,8 +1,8 @@
 """A tiny watchdog process that cleans up if the main process dies without doing it itself.
 
-The main process (``Run``) holds one end of a pipe; the janitor blocks reading the other.
-Normal shutdown sends ``("done",)``. If the main process is SIGKILLed the read returns EOF:
-the janitor then stops the workers (SIGTERM), gives model processes ``grace`` seconds to
+The main process (``Run``) holds one end of a pipe; the janitor blocks reading the other, and
+on a pidfd of the main process. Normal shutdown sends ``("done",)``. If the main process is
+SIGKILLed the read returns EOF, or the pidfd turns readable: the janitor then stops the workers (SIGTERM), gives model processes ``grace`` seconds to
 notice the orphaning and exit cleanly (a CUDA MPS client should not be killed mid-kernel), kills
 what is left, then stops the run's private MPS daemon (once its clients are gone) and removes
 the run's namespace directory. Same idea as CPython's ``resource_tracker``,
@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+from multiprocessing.connection import wait
 
 from .interrupts import ignore_ctrl_c
 from .layout import STOPPING, ControlBlock
@@ -21,38 +22,30 @@ from .naming import unregister
 from .shm import sweep_namespace
 
 
-def janitor_main(namespace: str, conn, grace: float) -> None:
+def janitor_main(namespace: str, conn, grace: float, main_pid: int, forked_end=None) -> None:
+    """``forked_end``: under the fork start method, the fd of the main process's end of the pipe,
+    which this process inherited (closed at once: the main process's exit must be seen)."""
     ignore_ctrl_c()
     # A signal to the whole process group -- a notebook kernel's shutdown or restart, systemd,
     # ``kill -TERM -PGID`` -- ends the main process without its clean-up: the janitor is what is
     # left to do it, so it outlives such signals (it exits once the main process is gone).
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
-    workers, models, daemons, registrations, ctls = set(), set(), [], [], []
-    orphaned = False
-    while True:
-        try:
-            msg = conn.recv()
-        except (EOFError, OSError):
-            orphaned = True
-            break
-        kind = msg[0]
-        if kind == "worker":
-            workers.add(msg[1])
-        elif kind == "model":
-            models.add(msg[1])
-        elif kind == "mps":  # announced before it starts: (control binary, private directory)
-            daemons.append(PrivateDaemon(msg[1], msg[2]))
-        elif kind == "gone":  # a model process that died and was replaced
-            models.discard(msg[1])
-        elif kind == "registration":  # the runtime's name (naming.py)
-            registrations.append(msg[1])
-        elif kind == "ctl":  # a model's control block: mapped now, while the runtime lives (its
-            # memfd is reached through the runtime's /proc fd table)
-            with contextlib.suppress(OSError, RuntimeError, ValueError):
-                ctls.append(ControlBlock.attach(namespace, msg[1], readonly=False))
-        elif kind == "done":
-            break
+    if forked_end is not None:
+        with contextlib.suppress(OSError):
+            os.close(forked_end)
+    # The pipe's end-of-file alone does not say the main process is gone under fork: every child
+    # it forks after this one (model processes, workers, the user's own) holds its end too. A
+    # pidfd of the main process turns readable when it exits, whoever holds what. (Under spawn
+    # and forkserver no other process holds that end; under forkserver our parent is the fork
+    # server, so the pid is not pinned and end-of-file is what tells.)
+    main = pidfds([main_pid], keep=lambda pid: pid == os.getppid())
+    plan = _Plan(namespace)
+    orphaned = _follow(conn, plan, list(main.values()), gone=forked_end is not None and not main)
+    for fd in main.values():
+        os.close(fd)
+    workers, models, daemons, registrations, ctls = (plan.workers, plan.models, plan.daemons,
+                                                     plan.registrations, plan.ctls)
     if orphaned:
         for path in registrations:
             unregister(path, namespace)
@@ -69,6 +62,48 @@ def janitor_main(namespace: str, conn, grace: float) -> None:
     for ctl in ctls:
         ctl.close()
     sweep_namespace(namespace)
+
+
+class _Plan:
+    """What the main process told: what to stop and remove if it dies."""
+
+    def __init__(self, namespace: str):
+        self.namespace = namespace
+        self.workers, self.models, self.daemons, self.registrations, self.ctls = set(), set(), [], [], []
+
+    def take(self, msg) -> bool:
+        """Note one message; True for ``("done",)``: the main process cleaned up itself."""
+        kind = msg[0]
+        if kind == "worker":
+            self.workers.add(msg[1])
+        elif kind == "model":
+            self.models.add(msg[1])
+        elif kind == "mps":  # announced before it starts: (control binary, private directory)
+            self.daemons.append(PrivateDaemon(msg[1], msg[2]))
+        elif kind == "gone":  # a model process that died and was replaced
+            self.models.discard(msg[1])
+        elif kind == "registration":  # the runtime's name (naming.py)
+            self.registrations.append(msg[1])
+        elif kind == "ctl":  # a model's control block: mapped now, while the runtime lives (its
+            # memfd is reached through the runtime's /proc fd table)
+            with contextlib.suppress(OSError, RuntimeError, ValueError):
+                self.ctls.append(ControlBlock.attach(self.namespace, msg[1], readonly=False))
+        return kind == "done"
+
+
+def _follow(conn, plan: _Plan, main_fds, gone: bool) -> bool:
+    """Take the main process's messages until it says it is done (False) or is gone (True);
+    ``gone``: it exited before its pid could be pinned (read what it sent, then stop)."""
+    while True:
+        ready = wait([conn, *main_fds], 0 if gone else None)
+        try:
+            while conn.poll():   # what it sent before it went, too
+                if plan.take(conn.recv()):
+                    return False
+        except (EOFError, OSError):
+            return True
+        if gone or conn not in ready:    # only the main process's pidfd: it exited
+            return True
 
 
 def _signal(pid: int, sig: int) -> None:

@@ -155,9 +155,10 @@ class Runtime(Supervision, Reloads, Workers):
 
     def _start_janitor(self) -> None:
         parent_end, child_end = self.ctx.Pipe()
+        forked_end = parent_end.fileno() if self.ctx.get_start_method() == "fork" else None
         janitor = self.ctx.Process(target=janitor_main, name="simpledbi-janitor",
-                                   args=(self.namespace, child_end, self.options.join_timeout),
-                                   daemon=False)
+                                   args=(self.namespace, child_end, self.options.join_timeout,
+                                         os.getpid(), forked_end), daemon=False)
         try:
             with children_deaf_to_ctrl_c():
                 janitor.start()
@@ -298,9 +299,12 @@ class Runtime(Supervision, Reloads, Workers):
         if self._at_exit is not None:
             atexit.unregister(self._at_exit)
             self._at_exit = None
-        restore = None
-        if threading.current_thread() is threading.main_thread():
-            restore = signal.signal(signal.SIGINT, signal.SIG_IGN)  # finish cleaning up first
+        restore, terms = {}, []
+        if threading.current_thread() is threading.main_thread():   # finish cleaning up first:
+            restore[signal.SIGINT] = signal.signal(signal.SIGINT, signal.SIG_IGN)
+            if callable(signal.getsignal(signal.SIGTERM)):  # Run's, or the user's: it would raise
+                # in the middle of this (a second SIGTERM to a group): handed over afterwards
+                restore[signal.SIGTERM] = signal.signal(signal.SIGTERM, lambda *a: terms.append(a))
         try:
             self._unregister()  # first: no new client may find a runtime that is going
             self._stop.set()
@@ -333,8 +337,10 @@ class Runtime(Supervision, Reloads, Workers):
                         self._janitor_conn.close()
                         self._janitor_conn = None
                 _join_or_kill(self._janitor, self.options.join_timeout)
-            if restore is not None:
-                signal.signal(signal.SIGINT, restore)
+            for sig, handler in restore.items():
+                signal.signal(sig, handler)
+            if terms:
+                restore[signal.SIGTERM](*terms[0])
 
     def _stop_children(self) -> None:
         for name, ctl in self.ctls.items():

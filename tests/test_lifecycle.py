@@ -145,23 +145,30 @@ def test_ctrl_c_while_children_start_is_reported_by_the_main_process_only(tmp_pa
 
 
 @pytest.mark.timeout(120)
-def test_sigterm_to_a_runtimes_whole_process_group_leaves_nothing_behind():
-    # What a notebook kernel's shutdown or restart does (and systemd, or `kill -TERM -PGID`): the
-    # main process (a Runtime, no handler of ours) dies without atexit, and so did the janitor.
+@pytest.mark.parametrize("start_method,to_group", [("spawn", True), ("fork", True), ("fork", False)])
+def test_a_runtime_killed_by_a_signal_leaves_nothing_behind(start_method, to_group):
+    # SIGTERM to the group is what a notebook kernel's shutdown or restart does (and systemd, or
+    # `kill -TERM -PGID`): the main process (a Runtime, no handler of ours) dies without atexit,
+    # and so did the janitor. Under fork, the model processes hold the main process's end of the
+    # janitor's pipe too: the janitor never saw it close, and cleaned up nothing.
     from simpledbi.naming import registration_path
     name = f"lifecycle-{os.getpid()}"
-    proc = subprocess.Popen([sys.executable, "-m", "tests.apps.app", "runtime", name], cwd=ROOT, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    proc = subprocess.Popen([sys.executable, "-m", "tests.apps.app", "runtime", name, start_method], cwd=ROOT,
+                            text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    sig = signal.SIGTERM if to_group else signal.SIGKILL
     try:
         _wait_line(proc, "READY")
         assert ours(proc.pid) != [] and os.path.exists(registration_path(name))
-        os.killpg(proc.pid, signal.SIGTERM)
+        if to_group:
+            os.killpg(proc.pid, sig)
+        else:
+            proc.send_signal(sig)
         out, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
-    assert proc.returncode == -signal.SIGTERM, (out, err)
+    assert proc.returncode == -sig, (out, err)
     deadline = time.monotonic() + 30   # the janitor cleans up once it sees the main process gone
     while (ours(proc.pid) or os.path.exists(registration_path(name))) and time.monotonic() < deadline:
         threading.Event().wait(0.05)
@@ -287,3 +294,48 @@ def test_a_program_that_ends_without_shutdown_exits_and_leaves_nothing(ending):
     assert p.returncode == (1 if ending.startswith("raise") else 0), p.stderr
     ns = p.stdout.split()[0]
     assert not [e for e in os.listdir("/dev/shm") if ns in e]
+
+
+@pytest.mark.timeout(120)
+def test_a_sigterm_during_shutdown_is_handed_over_once_it_is_done(gate):
+    # A second SIGTERM to a process group (Run turns SIGTERM into SystemExit) raised in the middle
+    # of shutdown: the supervisor thread then read a pipe closed under it, and children were left
+    # to the janitor.
+    from simpledbi import Runtime
+    from simpledbi.layout import STOPPING
+    from .conftest import FAST
+    handled = []
+
+    def handler(signum, frame):
+        handled.append(ours())   # what shutdown had left when the signal was handled
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        rt = Runtime([cpu_model("gated", functools.partial(models.gated, gate.name), max_batch_size=1)],
+                     FAST).start()
+        client = SharedModel("gated", max_shape=(1, 2), namespace=rt.namespace)
+        errors = []
+        call = threading.Thread(target=lambda: _capture(errors, client.forward,
+                                                        np.full((1, 2), models.GATE, np.float32)))
+        call.start()
+        gate.wait_entered()      # the model process holds a batch: shutdown waits for it
+
+        def second_sigterm():
+            deadline = time.monotonic() + 30
+            while rt.ctls["gated"].state != STOPPING and time.monotonic() < deadline:
+                threading.Event().wait(0.01)   # bounded wait on a state change
+            os.kill(os.getpid(), signal.SIGTERM)
+            gate.open()
+
+        helper = threading.Thread(target=second_sigterm)
+        helper.start()
+        with pytest.raises(SystemExit):
+            rt.shutdown()
+        helper.join(30)
+        call.join(30)
+        client.close()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert handled == [[]], handled   # once, after shutdown removed everything
+    assert not call.is_alive() and not helper.is_alive()

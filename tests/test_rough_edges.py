@@ -23,9 +23,9 @@ from .conftest import cpu_model
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _serve(name: str, model: str = "m=tests.models:affine", env=None) -> subprocess.Popen:
+def _serve(name: str, model: str = "m=tests.models:affine", *extra: str, env=None) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "simpledbi", "serve", "--name", name, "--device", "cpu",
-                             "--model-num", "2", "--model", model], cwd=ROOT, text=True,
+                             "--model-num", "2", "--model", model, *extra], cwd=ROOT, text=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             env={**os.environ, **(env or {})})
 
@@ -124,6 +124,24 @@ def test_status_shows_a_loading_process_on_its_device(tmp_path):
         loading = [i for i in inspect(name).models[0].instances if i.state == "loading"]
         assert loading and all(i.device == ("cpu" if i.pid else "-") for i in loading), loading
         assert any(i.pid for i in loading), loading
+    finally:
+        _kill(p, signal.SIGTERM)
+
+
+@pytest.mark.timeout(120)
+def test_a_client_attached_by_name_while_the_model_loads_gets_the_declared_inputs(tmp_path):
+    # it attached the moment the name was registered, read no declared shapes (published with
+    # RUNNING), and failed: "expected max_shape=(rows, *item_shape) ... declares no input shapes"
+    name = f"t{os.getpid()}-{secrets.token_hex(3)}"
+    marker = tmp_path / "loading"
+    p = _serve(name, "m=tests.models:slow_to_load", "--input-shape", "3", "--max-batch-size", "4",
+               env={"SDBI_TEST_LOADING": str(marker)})
+    try:
+        _until(marker.exists, what="a model process loading")   # inside its 3 s factory now
+        with SharedModel("m", runtime=name, connect_timeout=60) as client:
+            assert client.max_shapes == ((4, 3),)
+            x = np.arange(3, dtype=np.float32).reshape(1, 3)
+            np.testing.assert_array_equal(client.forward(x, timeout=60), x * 2 + 1)
     finally:
         _kill(p, signal.SIGTERM)
 

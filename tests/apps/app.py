@@ -73,10 +73,10 @@ def worker(rank, mode):
     return rank
 
 
-def hold_a_runtime(name):
+def hold_a_runtime(name, start_method="spawn"):
     from simpledbi import Runtime
     cfg = ModelConfig(name="m", factory=affine, max_batch_size=4, device="cpu", num_threads=1)
-    rt = Runtime([cfg], name=name)
+    rt = Runtime([cfg], name=name, start_method=start_method)
     rt.start()
     x = np.ones((2, 3), np.float32)
     np.testing.assert_array_equal(SharedModel("m", max_shape=(2, 3), runtime=name).forward(x), x * 2 + 1)
@@ -88,7 +88,7 @@ def hold_a_runtime(name):
 def main(mode):
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if mode == "runtime":
-        hold_a_runtime(sys.argv[2])
+        hold_a_runtime(*sys.argv[2:4])
     if mode == "slow_load":
         os.environ["APP_LOADING_DIR"] = sys.argv[2]   # inherited by the model process
         cfg = ModelConfig(name="m", factory=endless_load, device="cpu", load_timeout=900)
