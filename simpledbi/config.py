@@ -210,15 +210,18 @@ class ModelConfig:
         sizes = {1, 2, 4, self.max_batch_size} | set(range(step, self.max_batch_size + 1, step))
         return tuple(sorted(n for n in sizes if n <= self.max_batch_size))
 
-    def graph_batch_sizes(self) -> Tuple[int, ...]:
-        """The batch sizes to capture CUDA graphs for (empty: none). "auto" captures only small
-        batches (up to 8 rows), where launching the kernels costs as much as running them; larger
-        batches run eagerly, since padding them up to a bucket costs more than it saves (measured:
-        128 workers / max batch 32 went from 1.09x to 0.99x of plain PyTorch with all buckets)."""
+    def graph_batch_sizes(self, launch_bound: bool = False) -> Tuple[int, ...]:
+        """The batch sizes to capture CUDA graphs for (empty: none). "auto" captures small
+        batches (up to 8 rows), where launching the kernels costs as much as running them, and
+        larger ones only for a model whose forward pass proved ``launch_bound`` (graphs.py,
+        LAUNCH_BOUND): elsewhere padding a batch up to a bucket costs more than it saves (ResNet-50,
+        128 workers / max batch 32: 1.09x of plain PyTorch without them, 0.99x with), while a fast
+        model's eager batches leave the device waiting on the CPU (ResNet-18 at 112x112 on an
+        H200: 0.52x without them, 0.76x with, docs/BENCHMARKS.md run 38)."""
         if self.cuda_graphs is False:
             return ()
         if self.cuda_graphs == "auto":
-            return tuple(n for n in self._default_graph_sizes() if n <= _AUTO_GRAPH_MAX_ROWS)
+            return tuple(n for n in self._default_graph_sizes() if launch_bound or n <= _AUTO_GRAPH_MAX_ROWS)
         return tuple(self.cuda_graphs)
 
     def device_of(self, instance: int) -> str:

@@ -241,6 +241,8 @@ class Engine(GraphsAndSizes):
                            h2d=ev["start"].elapsed_time(ev["copied"]) / 1e3,
                            forward=ev["fwd_start"].elapsed_time(ev["fwd_end"]) / 1e3,
                            d2h=ev["fwd_end"].elapsed_time(ev["done"]) / 1e3)
+        if launched.eager_sig is not None and self._graph_sizes:
+            self._saw_eager(launched.eager_sig, launched.rows, launched.launch_cpu, times.forward)
         return BatchResult(arrays, launched.structure, times)
 
     def _run_cpu(self, g: Gather) -> BatchResult:
@@ -326,7 +328,8 @@ class Engine(GraphsAndSizes):
             fits = [n for n in graphs if n >= rows]
             graph = graphs[min(fits)] if fits else None
             bucket = min(n for n in self._graph_sizes if n >= rows)
-            if (graph is None or len(graph.inputs[0]) > bucket) and sig not in self._graph_failed:
+            if (graph is None or len(graph.inputs[0]) > bucket) and sig not in self._graph_failed \
+                    and self._may_capture(sig, bucket):
                 self._count_use(sig, bucket)
         with torch.cuda.stream(self.stream):
             self.stream.wait_event(ev["copied"])
@@ -361,6 +364,7 @@ class Engine(GraphsAndSizes):
                 hosts.append((pinned, o.dtype, tuple(o.shape)))
             ev["done"].record()
         launched.hosts, launched.structure, launched.staged = hosts, structure, None
+        launched.eager_sig = sig if graph is None else None
         launched.launch_cpu = time.perf_counter() - t0
         launched.started = True
         return launched
@@ -426,6 +430,7 @@ class Launched:
     names: Optional[Tuple[str, ...]] = None   # keyword inputs
     gather: float = 0.0
     launch_cpu: float = 0.0            # host time spent enqueuing the forward pass
+    eager_sig: Optional[tuple] = None  # its item signature, when it ran eagerly (no CUDA graph)
     started: bool = False
 
     def ready(self) -> bool:

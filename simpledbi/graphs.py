@@ -20,6 +20,12 @@ logger = logging.getLogger(__name__)
 MAX_GRAPH_SIGNATURES = 4
 #: Eager batches of one (item signature, graph bucket) before its graph is captured.
 GRAPH_AFTER_BATCHES = 3
+#: An eager forward pass that takes at least this fraction of its device time to enqueue (an
+#: average over batches) marks a launch-bound model: the device waits on the Python thread for much
+#: of each batch, and a graph replay enqueues it in tens of microseconds. Then cuda_graphs="auto"
+#: captures large batches too. ResNet-18 at 112x112, 32 rows, on an H200 measured ~1 (the device
+#: is idle while it launches); ResNet-50 at 224x224 well under it (docs/BENCHMARKS.md run 38).
+LAUNCH_BOUND = 0.5
 #: A new batch size is padded to one already run until the padding rows spent on it reach this
 #: many full batches (about the first-run cost of a size, NOTE [first batch of a size]).
 PAD_BUDGET_BATCHES = 4
@@ -38,7 +44,10 @@ def _describe(sig) -> str:
 class GraphsAndSizes:
     def _init_graphs(self, cfg) -> None:
         self._graphs: dict = {}                      # signature -> {batch size: _Graph}
-        self._graph_sizes = cfg.graph_batch_sizes() if self.cuda else ()
+        self._graph_sizes = cfg.graph_batch_sizes(launch_bound=True) if self.cuda else ()
+        self._graph_sizes_always = set(cfg.graph_batch_sizes())   # the rest: once launch-bound
+        self._launch_share: dict = {}                # signature -> enqueue / device time (EMA)
+        self._launch_bound: set = set()              # signatures found launch-bound
         self._graph_queued: set = set()              # (signature, batch size) being captured
         self._graph_uses: dict = {}                  # (signature, batch size) -> eager batches
         self._graph_failed: set = set()              # signatures whose capture failed
@@ -78,6 +87,22 @@ class GraphsAndSizes:
             self._capturer = _Capturer(self)
         self._graph_queued.add(key)
         self._capturer.submit(sig, bucket)
+
+    def _may_capture(self, sig, bucket: int) -> bool:
+        return bucket in self._graph_sizes_always or sig in self._launch_bound
+
+    def _saw_eager(self, sig, rows: int, launch_cpu: float, forward: float) -> None:
+        """An eager batch of ``rows`` took ``launch_cpu`` seconds to enqueue and ``forward`` on the
+        device: learn whether this signature is launch-bound (LAUNCH_BOUND)."""
+        if sig in self._launch_bound or rows <= max(self._graph_sizes_always, default=0) or forward <= 0:
+            return
+        share = 0.8 * self._launch_share.get(sig, 0.0) + 0.2 * min(launch_cpu / forward, 4.0)
+        self._launch_share[sig] = share
+        if share >= LAUNCH_BOUND:
+            self._launch_bound.add(sig)
+            logger.info("%s: item shapes %s are launch-bound (enqueueing a batch of %d rows took %.2f ms, "
+                        "the device ran it in %.2f ms): capturing CUDA graphs for large batches too",
+                        self.cfg.name, _describe(sig), rows, launch_cpu * 1e3, forward * 1e3)
 
     def take_graphs(self) -> None:
         """Put the graphs the capture thread finished to use (serving thread, between batches)."""

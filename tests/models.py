@@ -163,6 +163,23 @@ def launch_bound():
     return LaunchBound()
 
 
+class Heavy(nn.Module):
+    """y = 2x + 1 after a 4096 x 4096 matrix product on the device: a forward pass that takes
+    far longer to run than to enqueue (not launch-bound)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4096, 4096), requires_grad=False)
+
+    def forward(self, x):
+        big = self.w @ self.w
+        return x * 2 + 1 + big[0, 0] * 0
+
+
+def heavy():
+    return Heavy()
+
+
 class Syncing(nn.Module):
     """Reads a value back to the host inside forward: CUDA graph capture must fail on it."""
 

@@ -51,6 +51,38 @@ def test_good_model_config_normalises():
     assert ok(cuda_graphs=False).graph_batch_sizes() == ()
     assert ok(input_shapes=[(3,)], max_batch_size=32).graph_batch_sizes() == (1, 2, 4, 8)
     assert ok(input_shapes=[(3,)], cuda_graphs=False).graph_batch_sizes() == ()
+    # ... and large ones too for a model found launch-bound
+    assert ok(max_batch_size=32).graph_batch_sizes(launch_bound=True) == (1, 2, 4, 8, 12, 16, 20, 24, 28, 32)
+    assert ok(max_batch_size=32, cuda_graphs=[4]).graph_batch_sizes(launch_bound=True) == (4, 32)
+    assert ok(cuda_graphs=False).graph_batch_sizes(launch_bound=True) == ()
+
+
+def test_auto_cuda_graphs_take_large_batches_only_once_eager_ones_proved_launch_bound():
+    from simpledbi.graphs import GraphsAndSizes, signature
+
+    class Graphs(GraphsAndSizes):
+        cuda = True
+
+        def __init__(self, cfg):
+            self.cfg = cfg
+            self._init_graphs(cfg)
+
+    sig = signature([(3, 112, 112)], ["float32"])
+    g = Graphs(ok(max_batch_size=32))
+    assert g._may_capture(sig, 8) and not g._may_capture(sig, 32)
+    for _ in range(20):   # device-bound: enqueueing takes a fifth of the device time
+        g._saw_eager(sig, 32, 0.002, 0.010)
+    g._saw_eager(sig, 8, 0.010, 0.001)   # a small batch says nothing (its graph is always wanted)
+    assert not g._may_capture(sig, 32)
+    for _ in range(2):    # launch-bound: the device waits for the enqueueing
+        g._saw_eager(sig, 32, 0.002, 0.002)
+    assert not g._may_capture(sig, 32)   # an average, not one batch
+    for _ in range(2):
+        g._saw_eager(sig, 32, 0.002, 0.002)
+    assert g._may_capture(sig, 32) and g._may_capture(sig, 12)
+    assert not g._may_capture(signature([(3, 224, 224)], ["float32"]), 32)   # per item shape
+    fixed = Graphs(ok(max_batch_size=32, cuda_graphs=[4, 32]))
+    assert fixed._may_capture(sig, 32)   # sizes asked for: no proof needed
 
 
 def test_bad_runtime_options_and_run_arguments():

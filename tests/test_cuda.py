@@ -159,3 +159,22 @@ def test_cuda_graphs_are_captured_off_the_serving_thread_under_constant_load(sta
                 np.testing.assert_array_equal(model.forward(x), x * 2 + 1)
         hammer_affine(model, threads=6, requests=200, max_rows=3, width=5)
         assert model.stats()["restarts"] == 0
+
+
+def test_auto_cuda_graphs_capture_large_batches_of_a_launch_bound_model_only(start_runtime):
+    """Batches of 20 rows (above the 8 that "auto" always captures): a model of two tiny kernels,
+    which take longer to enqueue than to run, gets a graph for them; one whose forward pass is a
+    long matrix product runs them eagerly."""
+    rt = start_runtime(ModelConfig(name="fast", factory=models.affine, max_batch_size=32, device="cuda"),
+                       ModelConfig(name="heavy", factory=models.heavy, max_batch_size=32, device="cuda"))
+    x = np.random.default_rng(5).standard_normal((20, 4)).astype(np.float32)
+    for name in ("fast", "heavy"):
+        with SharedModel(name, max_shape=(20, 4), namespace=rt.namespace) as model:
+            for _ in range(30):
+                np.testing.assert_array_equal(model.forward(x), x * 2 + 1)
+            if name == "fast":
+                _wait_for(lambda: model.stats()["cuda_graphs"] >= 1)
+                for _ in range(5):   # replayed, padded from 20 rows to its bucket
+                    np.testing.assert_array_equal(model.forward(x), x * 2 + 1)
+            else:
+                assert model.stats()["cuda_graphs"] == 0
