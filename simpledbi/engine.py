@@ -340,7 +340,11 @@ class Engine(GraphsAndSizes):
                 graph.graph.replay()
                 outs, structure = [o[:rows] for o in graph.outputs], graph.structure
             else:
+                ran_before = rows in self._sizes_run.get(sig, ())
                 run = self._eager_rows(sig, rows, bs, launched.staged)  # NOTE [first batch of a size]
+                # a size's first run (cuDNN choosing its plans, tens of ms on the host and the
+                # device alike) says nothing about launching: not learned from
+                launched.eager_sig = sig if ran_before or run != rows else None
                 xs = []
                 for k, (dev, dtype, item) in enumerate(launched.staged):
                     if run != rows:
@@ -364,7 +368,6 @@ class Engine(GraphsAndSizes):
                 hosts.append((pinned, o.dtype, tuple(o.shape)))
             ev["done"].record()
         launched.hosts, launched.structure, launched.staged = hosts, structure, None
-        launched.eager_sig = sig if graph is None else None
         launched.launch_cpu = time.perf_counter() - t0
         launched.started = True
         return launched
@@ -430,7 +433,7 @@ class Launched:
     names: Optional[Tuple[str, ...]] = None   # keyword inputs
     gather: float = 0.0
     launch_cpu: float = 0.0            # host time spent enqueuing the forward pass
-    eager_sig: Optional[tuple] = None  # its item signature, when it ran eagerly (no CUDA graph)
+    eager_sig: Optional[tuple] = None  # its item signature, when it ran eagerly at a size run before
     started: bool = False
 
     def ready(self) -> bool:
