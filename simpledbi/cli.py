@@ -30,7 +30,7 @@ from .sources import import_factory
 logger = logging.getLogger("simpledbi.serve")
 
 _MODEL_FLAGS = ("max_batch_size", "model_num", "wait_time", "latency_target", "device",
-                "batching", "precision", "max_clients")
+                "batching", "precision", "max_clients", "max_queue", "default_timeout")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -71,6 +71,10 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--batching", choices=("adaptive", "fixed"))
     s.add_argument("--precision", choices=("float32", "float16", "bfloat16"))
     s.add_argument("--max-clients", type=int)
+    s.add_argument("--max-queue", type=int, help="refuse new requests (Overloaded) beyond this many "
+                   "waiting (README, Overload)")
+    s.add_argument("--default-timeout", type=float, help="seconds: the deadline of calls that give "
+                   "none; a call that cannot finish in time is refused (README, Overload)")
     s.add_argument("--input-shape", action="append", metavar="D1,D2,...",
                    help="item shape of an input (no batch dimension), repeatable in input order")
     s.add_argument("--input-dtype", action="append", metavar="DTYPE")

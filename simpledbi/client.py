@@ -135,7 +135,7 @@ class SharedModel(Inputs):
             namespace = os.environ.get(ENV_NAMESPACE) or None
             runtime = None if namespace else os.environ.get(naming.ENV_RUNTIME) or None
         if namespace is None and runtime is None:
-            running = [r.name for r in naming.list_registrations() if pid_alive(r.pid)]
+            running = _running_runtimes()
             raise LookupError("no simpledbi runtime here: this process was not started by "
                               "simpledbi.Run; pass runtime='<name>' (a runtime started with a "
                               "name), namespace=rt.namespace (a Runtime started in this process) "
@@ -209,9 +209,11 @@ class SharedModel(Inputs):
                     raise RuntimeUnavailable(
                         f"model {self.name!r}: no result within the timeout ({call_timeout:.3g} s): "
                         f"no simpledbi runtime named {self.runtime!r} {what} meanwhile")
+                running = _running_runtimes()
                 hint = ("raise connect_timeout for a model that loads longer" if starting else
                         f"start it with `simpledbi serve --name {self.runtime} ...` or "
-                        f"Runtime(models, name={self.runtime!r})")
+                        f"Runtime(models, name={self.runtime!r})"
+                        + (f" (running now: {', '.join(running)})" if running else ""))
                 raise RuntimeStopped(f"no simpledbi runtime named {self.runtime!r} {what} within the "
                                      f"connect timeout ({self.connect_timeout:g} s); {hint}")
             # Connecting is rare (start-up, a runtime restart): a short backed-off poll of the
@@ -503,6 +505,10 @@ def _overloaded(name: str, why: Refusal, timeout: Optional[float], t_call: float
         message = (f"model {name!r} is overloaded: ModelConfig.max_queue requests are waiting; this "
                    f"request was refused without running")
     return Overloaded(message, why.reason, wait, timeout)
+
+
+def _running_runtimes() -> List[str]:
+    return [r.name for r in naming.list_registrations() if pid_alive(r.pid)]
 
 
 def _status_error(name: str, status: int, text: str, timeout: Optional[float] = None,

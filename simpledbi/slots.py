@@ -102,6 +102,7 @@ class ClientSlot:
         self.pid = os.getpid()
         self.token = secrets.randbits(64) | 1
         self.seq = 0
+        self.sent_seq = 0  # the last request whose datagram the kernel took (tests wait on it)
         self.stale_seq = 0          # a timed-out request a model process still owes an answer to
         self.call_timeout = None    # the current call's timeout, start and priority (for its
         self.call_start = 0.0       # datagram and its errors)
@@ -190,6 +191,7 @@ class ClientSlot:
             self.sock.send(msg, flags)
         else:
             self.sock.sendmsg([msg], self._anc, flags)
+        self.sent_seq = self.seq
 
     def resend(self) -> None:
         """Send the current request's datagram again (its refusal count already reported)."""

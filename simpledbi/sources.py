@@ -85,8 +85,8 @@ def _main_file(main) -> Optional[str]:
 
 def _where_main_is() -> str:
     main = sys.modules.get("__main__")
-    if getattr(main, "__file__", None) == "<stdin>":
-        return "standard input (python -)"
+    if getattr(main, "__file__", None) == "<stdin>" or sys.argv[:1] == ["-"]:   # (the file may be
+        return "standard input (python -)"                                     # forgotten by now)
     if "IPython" in sys.modules or "ipykernel" in sys.modules:
         return "a notebook or IPython session"
     return "python -c or an interactive session"
@@ -175,8 +175,12 @@ def import_factory(ref: str):
     try:
         obj = importlib.import_module(module)
     except ImportError as e:
-        raise ValueError(f"factory {ref!r}: cannot import {module!r}: {e}"
-                         f"{_module_hint(module, attr)}") from None
+        hint = _module_hint(module, attr)
+        if not hint and isinstance(e, ModuleNotFoundError) and e.name and \
+                (module + ".").startswith(e.name + "."):   # the module itself, not what it imports
+            hint = (f" (modules are imported from the current directory, {os.getcwd()}, and "
+                    f"$PYTHONPATH: run from the directory that holds it, or add it to PYTHONPATH)")
+        raise ValueError(f"factory {ref!r}: cannot import {module!r}: {e}{hint}") from None
     try:
         for part in attr.split("."):
             obj = getattr(obj, part)

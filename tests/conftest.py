@@ -86,12 +86,13 @@ def sem_prefix():
 
 
 def wait_queued(*handles, n: int, timeout: float = 30.0) -> None:
-    """Wait until ``n`` requests of these SharedModels are sent and taken by no model process
-    yet (their slots' tickets are posted): a bounded wait on a shared-memory condition."""
+    """Wait until ``n`` requests of these SharedModels are sent (their datagrams in the socket's
+    queue: a ticket is posted just before) and taken by no model process yet (their slots'
+    tickets still posted): a bounded wait on a shared-memory condition."""
     import time
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if sum(s.queued() for h in handles for s in list(h._h.busy)) >= n:
+        if sum(s.queued() and s.sent_seq == s.seq for h in handles for s in list(h._h.busy)) >= n:
             return
         threading.Event().wait(0.005)
     raise AssertionError(f"fewer than {n} requests were queued within {timeout} s")

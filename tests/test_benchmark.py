@@ -25,7 +25,7 @@ def resnet18_model(tmp_path_factory):
 
 def _run(args, out):
     cmd = [sys.executable, "benchmark.py", *args, "--device", "cpu", "--worker_num", "3",
-           "--max_batch_size", "3", "--model_num", "1", "--wait_time", "0.002", "--duration", "1.5",
+           "--max_batch_size", "3", "--model_num", "1", "--wait_time", "0.002", "--duration", "3",
            "--warmup", "0.5", "--json", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=170)
     assert proc.returncode == 0, proc.stderr

@@ -129,11 +129,13 @@ def test_a_run_target_defined_on_stdin_is_sent_by_value():
 
 @pytest.mark.timeout(120)
 def test_without_cloudpickle_such_a_run_target_is_refused_before_start_up():
-    p = _python("-c", HIDE_CLOUDPICKLE + RUN_SNIPPET)
-    assert p.returncode == 1
-    last = p.stderr.strip().splitlines()[-1]
-    assert last.startswith("TypeError: Run: target __main__.worker cannot reach the worker processes: "
-                           "it is defined in __main__, which here is python -c"), last
+    for args, stdin, where in ((("-c", HIDE_CLOUDPICKLE + RUN_SNIPPET), None, "python -c"),
+                               (("-",), HIDE_CLOUDPICKLE + RUN_SNIPPET, "standard input (python -)")):
+        p = _python(*args, stdin=stdin)
+        assert p.returncode == 1
+        last = p.stderr.strip().splitlines()[-1]
+        assert last.startswith("TypeError: Run: target __main__.worker cannot reach the worker processes: "
+                               f"it is defined in __main__, which here is {where}"), last
 
 
 def test_which_factories_travel_by_value():

@@ -230,13 +230,15 @@ def test_serve_config_from_toml_and_flags(tmp_path):
                    '[[models]]\nname = "a"\nfactory = "tests.models:affine"\nmax_batch_size = 8\n'
                    f'[[models]]\nname = "b"\npath = "{tmp_path / "b.pt"}"\nlatency_target = 0.02\n')
     args = _parser().parse_args(["serve", "--config", str(cfg), "--model-num", "2",
-                                 "--model", "c=tests.models:affine", "--input-shape", "3,4"])
+                                 "--model", "c=tests.models:affine", "--input-shape", "3,4",
+                                 "--max-queue", "50", "--default-timeout", "0.25"])
     sc = load_serve_config(args)
     assert sc.name == "fromfile" and sc.metrics_port == 9999 and sc.options.mps == "off"
     assert [m.name for m in sc.models] == ["a", "b", "c"]
     assert sc.models[0].factory is models.affine and sc.models[0].max_batch_size == 8
     assert sc.models[1].path == str(tmp_path / "b.pt") and sc.models[1].latency_target == 0.02
     assert all(m.model_num == 2 and m.input_shapes == ((3, 4),) for m in sc.models)
+    assert all(m.max_queue == 50 and m.default_timeout == 0.25 for m in sc.models)
     cfg.write_text('name = "x"\n[[models]]\nname = "a"\nfactory = "tests.models:affine"\nbatch = 3\n')
     with pytest.raises(ValueError, match=r"model 'a': unknown settings \['batch'\]"):
         load_serve_config(_parser().parse_args(["serve", "--config", str(cfg)]))
@@ -267,7 +269,8 @@ def test_a_model_value_that_is_neither_a_file_nor_a_factory_or_could_be_both_say
                                          r"mymodels:build"):
         load("mlp=../mymodels:build")
     with pytest.raises(ValueError, match=r"model 'mlp': factory 'nomodule_here:build': cannot import "
-                                         r"'nomodule_here'.*\(and there is no model file "
+                                         r"'nomodule_here'.*modules are imported from the current "
+                                         r"directory, .*/sub, and \$PYTHONPATH.*\(and there is no model file "
                                          r"'nomodule_here:build'\)"):
         load("mlp=nomodule_here:build")
     monkeypatch.chdir(tmp_path)
