@@ -191,7 +191,10 @@ def _serve(args: argparse.Namespace) -> int:
     stop = threading.Event()
     started = threading.Event()
 
+    signals = []
+
     def on_signal(signum, frame):
+        signals.append(signum)
         if not started.is_set():
             raise KeyboardInterrupt  # still starting: Runtime.start cleans up and re-raises
         stop.set()
@@ -207,7 +210,7 @@ def _serve(args: argparse.Namespace) -> int:
             runtime.start()
         except KeyboardInterrupt:
             logger.info("interrupted while starting; stopped")
-            return 130
+            return 128 + (signals[0] if signals else signal.SIGINT)   # 130 for Ctrl-C, 143 for SIGTERM
         started.set()
         control = ControlServer(runtime)   # `simpledbi reload`
         where = ""

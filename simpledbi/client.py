@@ -178,9 +178,9 @@ class SharedModel(Inputs):
         deadline, call_timeout = now + self.connect_timeout, None
         if call_deadline is not None and call_deadline < deadline:
             deadline, call_timeout = call_deadline, call_deadline - now
-        pause, told, starting = 0.01, False, False
+        pause, told = 0.01, False
         while True:
-            reg = naming.resolve(self.runtime)
+            reg, starting = naming.resolve(self.runtime), False   # (as last seen)
             if reg is None and not told and avoid is None:
                 told = True   # a typo would otherwise be connect_timeout seconds of silence
                 logger.warning("no simpledbi runtime named %r is running yet; waiting up to %.3g s "

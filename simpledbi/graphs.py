@@ -96,7 +96,9 @@ class GraphsAndSizes:
         device: learn whether this signature is launch-bound (LAUNCH_BOUND)."""
         if sig in self._launch_bound or rows <= max(self._graph_sizes_always, default=0) or forward <= 0:
             return
-        share = 0.8 * self._launch_share.get(sig, 0.0) + 0.2 * min(launch_cpu / forward, 4.0)
+        # one batch counts at most as "all launch" (its first pinned output buffer, a GIL wait
+        # on the capture thread can inflate it): it takes several in a row to mark the model
+        share = 0.8 * self._launch_share.get(sig, 0.0) + 0.2 * min(launch_cpu / forward, 1.0)
         self._launch_share[sig] = share
         if share >= LAUNCH_BOUND:
             self._launch_bound.add(sig)

@@ -80,7 +80,10 @@ class _HeldCtrlC:
             signal.raise_signal(signal.SIGINT)
 
 
-def ignore_ctrl_c() -> None:
-    """A child's first step: ignore SIGINT, then unblock it (a pending one is dropped)."""
+def child_signals() -> None:
+    """A child's first step: ignore SIGINT, then unblock it (a pending one is dropped); SIGTERM
+    back to its default -- a forked child inherits the main process's Python handler (Run's
+    raises SystemExit wherever the child happens to be, with a traceback)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, _SIGINT)

@@ -15,7 +15,7 @@ import os
 import signal
 from multiprocessing.connection import wait
 
-from .interrupts import ignore_ctrl_c
+from .interrupts import child_signals
 from .layout import STOPPING, ControlBlock
 from .mps import PrivateDaemon, pidfds, wait_exit
 from .naming import unregister
@@ -25,11 +25,11 @@ from .shm import sweep_namespace
 def janitor_main(namespace: str, conn, grace: float, main_pid: int, forked_end=None) -> None:
     """``forked_end``: under the fork start method, the fd of the main process's end of the pipe,
     which this process inherited (closed at once: the main process's exit must be seen)."""
-    ignore_ctrl_c()
+    child_signals()
     # A signal to the whole process group -- a notebook kernel's shutdown or restart, systemd,
     # ``kill -TERM -PGID`` -- ends the main process without its clean-up: the janitor is what is
     # left to do it, so it outlives such signals (it exits once the main process is gone).
-    for sig in (signal.SIGTERM, signal.SIGHUP):
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):   # (SIGQUIT: Ctrl-backslash)
         signal.signal(sig, signal.SIG_IGN)
     if forked_end is not None:
         with contextlib.suppress(OSError):

@@ -20,6 +20,7 @@ import faulthandler
 import gc
 import logging
 import os
+import select
 import signal
 import time
 import traceback
@@ -36,7 +37,7 @@ from .answer import Answers, check_outputs, safe_str
 from .config import ModelConfig, RuntimeOptions
 from .holding import _BUSY_POLL, Holding, _Collecting
 from .intake import WAKE, Intake
-from .interrupts import ignore_ctrl_c
+from .interrupts import child_signals
 from .layout import (BROKEN, DRAINING, HEADER, INST_DEAD, INST_READY, INST_RETIRING, INSTANCE,
                      ST_INTERNAL, ST_STOPPED, STOPPING, ControlBlock, words)
 from .logs import install_child_handler
@@ -91,7 +92,7 @@ def model_process_main(spec: ModelProcessSpec, conn, sock, ctl_fd) -> None:
     the model's request socket, ``ctl_fd`` its control block (shm.InheritedFd)."""
     os.environ.update(spec.env)  # first: the CUDA driver reads CUDA_MPS_* once, when it initialises
     install_child_handler(spec.log_conn, f"<{spec.config.name}|{spec.instance}>", spec.log_level)
-    ignore_ctrl_c()  # the parent decides when to stop (NOTE [Ctrl-C and children])
+    child_signals()  # the parent decides when to stop (NOTE [Ctrl-C and children])
     faulthandler.enable()
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>` dumps stacks
     _raise_fd_limit()
@@ -145,6 +146,10 @@ class ModelServer(Holding):
         from .engine import Engine, Gather, resolve_device  # torch is imported only in model processes
         self._Gather = Gather
         self.spec = spec
+        try:   # pinned now: the main process is alive while it starts us (_main_gone)
+            self._main_fd: Optional[int] = os.pidfd_open(spec.parent_pid)
+        except OSError:
+            self._main_fd = None
         cfg = spec.config
         self.me = spec.instance
         self.tag = f"<{cfg.name}|{self.me}>"
@@ -219,7 +224,7 @@ class ModelServer(Holding):
             if int(self.ctl.hdr["bank"]) & 1 == mine:
                 return True
             if self._inst_words[_I_STATE] == INST_RETIRING or \
-                    self._hdr_words[_H_STATE] in (STOPPING, BROKEN) or os.getppid() != self.spec.parent_pid:
+                    self._hdr_words[_H_STATE] in (STOPPING, BROKEN) or self._main_gone():
                 return False
             time.sleep(0.005)
 
@@ -291,6 +296,10 @@ class ModelServer(Holding):
         """Nothing held or running: sleep on the socket for up to a poll interval (False: exit)."""
         self._inst_words[_I_FREE] = 1
         self.admission.room = self.max_batch   # what comes now starts a batch
+        # ... and clients must know it: a backlog published earlier would have them refuse
+        # every call (ControlBlock.newcomer_wait) while this process sleeps a poll interval with
+        # nothing to do (measured: 8 threads retrying at once got 8 answers/s of a 40/s model)
+        self.admission.publish()
         try:
             got = None if self.intake.full else self.intake.next(self.poll)
         finally:
@@ -332,6 +341,8 @@ class ModelServer(Holding):
         except Exception:  # noqa: BLE001
             pass
         self.acct.close()
+        if self._main_fd is not None:
+            os.close(self._main_fd)
         for view in (self._hdr_words, self._inst_words):
             view.release()
         self.ctl.close()
@@ -339,11 +350,16 @@ class ModelServer(Holding):
     def _maintenance(self) -> bool:
         """Drop the slots of detached or dead clients; return False when this process should exit."""
         self._last_maintenance = time.monotonic()
-        if os.getppid() != self.spec.parent_pid:
+        if self._main_gone():
             logger.warning("%s the runtime's main process died; exiting", self.tag)
             return False
         self.intake.prune()
         return True
+
+    def _main_gone(self) -> bool:
+        """Has the runtime's main process exited? Its pidfd says (under forkserver the parent is
+        the fork server, not the main process: comparing getppid() killed every process)."""
+        return self._main_fd is None or bool(select.select([self._main_fd], (), (), 0)[0])
 
     def _register(self, peer: Peer) -> None:
         """A new client slot: page-lock it for DMA where the engine wants that (not a slot of

@@ -91,6 +91,7 @@ class Runtime(Supervision, Reloads, Workers):
         self.broken: Dict[str, str] = {}
         self._input_names: Dict[str, Tuple[str, ...]] = {}   # per model, from its first "ready"
         self._started = self._closed = False
+        self._owner = os.getpid()   # the process that may stop it (not a fork of it)
 
     @property
     def model_procs(self) -> List[_ModelProc]:
@@ -101,7 +102,8 @@ class Runtime(Supervision, Reloads, Workers):
         if self._started:
             return self
         _check_startable(self.models, self.ctx.get_start_method())
-        self._started = True
+        self._started, self._owner = True, os.getpid()
+        _forget_children_in_forks()
         # A script that starts a runtime and then ends -- or raises -- without shutdown(): at
         # exit, multiprocessing joins its non-daemon children, the janitor among them, which
         # waits for this process to go: it hung for good. This runs first (atexit is LIFO).
@@ -292,19 +294,25 @@ class Runtime(Supervision, Reloads, Workers):
             self._registration = None
 
     def shutdown(self) -> None:
-        """Stop everything and remove what this run created. Idempotent."""
+        """Stop everything and remove what this run created. Idempotent. In a process forked
+        from the one that started it (a pre-fork server's worker, exiting), it does nothing: the
+        runtime is its parent's."""
         if self._closed:
             return
-        self._closed = True
-        if self._at_exit is not None:
-            atexit.unregister(self._at_exit)
-            self._at_exit = None
         restore, terms = {}, []
         if threading.current_thread() is threading.main_thread():   # finish cleaning up first:
             restore[signal.SIGINT] = signal.signal(signal.SIGINT, signal.SIG_IGN)
             if callable(signal.getsignal(signal.SIGTERM)):  # Run's, or the user's: it would raise
                 # in the middle of this (a second SIGTERM to a group): handed over afterwards
                 restore[signal.SIGTERM] = signal.signal(signal.SIGTERM, lambda *a: terms.append(a))
+        self._closed = True
+        if self._at_exit is not None:
+            atexit.unregister(self._at_exit)
+            self._at_exit = None
+        if os.getpid() != self._owner:
+            for sig, handler in restore.items():
+                signal.signal(sig, handler)
+            return
         try:
             self._unregister()  # first: no new client may find a runtime that is going
             self._stop.set()
@@ -471,8 +479,21 @@ def _check_startable(models: List[ModelConfig], start_method: str) -> None:
                 models[k] = dataclasses.replace(cfg, factory=factory)
 
 
+@functools.lru_cache(maxsize=None)   # once per process
+def _forget_children_in_forks() -> None:
+    """A process forked with ``os.fork()`` from one that runs a runtime (a pre-fork server's
+    worker) inherits multiprocessing's list of its parent's children -- the janitor, model
+    processes -- and at its exit tried to join them: "AssertionError: can only join a child
+    process". They are not its children; the list is emptied in the child (multiprocessing's
+    own fork children start with an empty one anyway)."""
+    os.register_at_fork(after_in_child=lambda: mp.process._children.clear())
+
+
 def _shutdown_at_exit(ref: "weakref.ref[Runtime]") -> None:
     """atexit: shut down a runtime its program left running."""
     rt = ref()
     if rt is not None:
-        rt.shutdown()
+        try:
+            rt.shutdown()
+        except (SystemExit, KeyboardInterrupt):   # a signal handed over (shutdown): the program
+            pass                                  # is exiting already

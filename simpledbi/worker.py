@@ -8,11 +8,11 @@ import sys
 import traceback
 
 from .client import ENV_NAMESPACE, close_all_clients
-from .interrupts import ignore_ctrl_c
+from .interrupts import child_signals
 
 
 def worker_main(rank: int, target, args, kwargs, namespace: str, conn) -> None:
-    ignore_ctrl_c()  # Ctrl-C is the parent's to handle (NOTE [Ctrl-C and children])
+    child_signals()  # Ctrl-C is the parent's to handle (NOTE [Ctrl-C and children])
     faulthandler.enable()
     os.environ[ENV_NAMESPACE] = namespace
     code = 0

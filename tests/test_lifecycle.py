@@ -339,3 +339,38 @@ def test_a_sigterm_during_shutdown_is_handed_over_once_it_is_done(gate):
         signal.signal(signal.SIGTERM, previous)
     assert handled == [[]], handled   # once, after shutdown removed everything
     assert not call.is_alive() and not helper.is_alive()
+
+
+@pytest.mark.timeout(120)
+def test_a_forked_child_that_exits_leaves_its_parents_runtime_running():
+    # Its atexit shut the parent's runtime down (STOPPING, namespace removed), and it tried to
+    # join the parent's janitor: "AssertionError: can only join a child process".
+    proc = subprocess.Popen([sys.executable, "-m", "tests.apps.app", "fork_child_exit"], cwd=ROOT,
+                            text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    out, err = proc.communicate(timeout=100)
+    assert proc.returncode == 0 and "OK" in out, (out, err)
+    assert "Traceback" not in err and "Exception ignored" not in err, err
+    assert ours(proc.pid) == []
+
+
+@pytest.mark.timeout(120)
+def test_model_processes_under_forkserver_know_the_main_process_is_alive():
+    # They took "my parent is not the main process" (it is the fork server) for its death:
+    # each exited at its first maintenance, was restarted, and the model was marked broken.
+    from simpledbi import Runtime, RuntimeOptions
+    with Runtime([cpu_model("affine", models.affine)], RuntimeOptions(poll_interval=0.05, join_timeout=10.0),
+                 start_method="forkserver") as rt:
+        with SharedModel("affine", max_shape=(1, 3), namespace=rt.namespace) as m:
+            x = np.ones((1, 3), np.float32)
+            end = time.monotonic() + 1.0   # twenty maintenance rounds
+            while time.monotonic() < end:
+                np.testing.assert_array_equal(m.forward(x, timeout=30), x * 2 + 1)
+            assert m.stats()["restarts"] == 0
+
+
+def test_a_forked_worker_does_not_inherit_runs_sigterm_handler():
+    from simpledbi import Run
+    from . import workers
+    out = Run(target=workers.sigterm_handler_worker, worker_num=1, start_method="fork",
+              models=[cpu_model("affine", models.affine)])
+    assert out == [repr(signal.SIG_DFL)], out

@@ -421,3 +421,36 @@ def test_the_runtime_answers_a_handed_back_request_left_on_the_socket_when_it_st
         slot.detach()
         rx.close()
         tx.close()
+
+
+@pytest.mark.timeout(120)
+def test_callers_retrying_at_once_after_a_refusal_still_get_the_models_capacity(start_runtime):
+    # A backlog published while the process held a batch stayed published while it then sat idle
+    # for a poll interval: every caller refused its next call itself, nobody sent, and 8 threads
+    # retrying at once got 8 answers/s of a 40/s model.
+    from simpledbi import RuntimeOptions
+    rt = start_runtime(cpu_model("m", functools.partial(models.sleepy, 0.05), max_batch_size=2,
+                                 default_timeout=0.1),
+                       options=RuntimeOptions(join_timeout=10.0))   # the default poll interval
+    m = SharedModel("m", max_shape=(1, 3), namespace=rt.namespace)
+    x = np.ones((1, 3), np.float32)
+    for _ in range(5):
+        m.forward(x)          # its batch cost learned
+    answered, stop = [], time.monotonic() + 3.0
+
+    def retry_loop():
+        while time.monotonic() < stop:
+            try:
+                np.testing.assert_array_equal(m.forward(x), x * 2 + 1)
+                answered.append(1)
+            except (Overloaded, TimeoutError):
+                pass          # no back-off: the worst a caller can do
+
+    threads = [threading.Thread(target=retry_loop) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    # capacity: 2 rows / 50 ms = 40/s, 120 in the window; the stall left 16-24
+    assert len(answered) >= 50, f"{len(answered)} answers in 3 s from a model of 40/s"
+    m.close()

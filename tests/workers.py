@@ -71,3 +71,9 @@ def light_client(namespace, name, n_requests, conn):
         np.testing.assert_array_equal(model.forward(x, timeout=60), x * 2 + 1)
     conn.send(time.monotonic() - t0)
     model.close()
+
+
+def sigterm_handler_worker(rank):
+    """What SIGTERM does in this worker (a forked one inherited Run's handler, which raised)."""
+    import signal
+    return repr(signal.getsignal(signal.SIGTERM))

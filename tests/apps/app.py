@@ -89,6 +89,20 @@ def main(mode):
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if mode == "runtime":
         hold_a_runtime(*sys.argv[2:4])
+    if mode == "fork_child_exit":   # a pre-fork server's worker: forked, then exits normally
+        from simpledbi import Runtime
+        cfg = ModelConfig(name="m", factory=affine, max_batch_size=4, device="cpu", num_threads=1)
+        with Runtime([cfg]) as rt:
+            m = SharedModel("m", max_shape=(2, 3), namespace=rt.namespace)
+            x = np.ones((2, 3), np.float32)
+            m.forward(x)
+            pid = os.fork()
+            if pid == 0:
+                sys.exit(0)   # atexit handlers run here
+            os.waitpid(pid, 0)
+            np.testing.assert_array_equal(m.forward(x), x * 2 + 1)
+            print("OK", flush=True)
+        return 0
     if mode == "slow_load":
         os.environ["APP_LOADING_DIR"] = sys.argv[2]   # inherited by the model process
         cfg = ModelConfig(name="m", factory=endless_load, device="cpu", load_timeout=900)
