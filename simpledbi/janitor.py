@@ -34,20 +34,23 @@ def janitor_main(namespace: str, conn, grace: float, main_pid: int, forked_end=N
     if forked_end is not None:
         with contextlib.suppress(OSError):
             os.close(forked_end)
-    # The pipe's end-of-file alone does not say the main process is gone under fork: every child
-    # it forks after this one (model processes, workers, the user's own) holds its end too. A
-    # pidfd of the main process turns readable when it exits, whoever holds what. (Under spawn
-    # and forkserver no other process holds that end; under forkserver our parent is the fork
-    # server, so the pid is not pinned and end-of-file is what tells.)
-    main = pidfds([main_pid], keep=lambda pid: pid == os.getppid())
+    # The pipe's end-of-file alone does not say the main process is gone: every process forked
+    # from it after the pipe was made (model processes and workers under fork, the user's own
+    # os.fork() children) holds its end too. A pidfd of the main process turns readable when it
+    # exits, whoever holds what. (Pinned at once, while the main process starts its models.)
+    try:
+        main, gone = [os.pidfd_open(main_pid)], False
+    except ProcessLookupError:   # it died already
+        main, gone = [], True
+    except OSError:              # no pidfds on this kernel: the pipe's end-of-file tells
+        main, gone = [], False
     plan = _Plan(namespace)
-    orphaned = _follow(conn, plan, list(main.values()), gone=forked_end is not None and not main)
-    for fd in main.values():
+    orphaned = _follow(conn, plan, main, gone)
+    for fd in main:
         os.close(fd)
-    workers, models, daemons, registrations, ctls = (plan.workers, plan.models, plan.daemons,
-                                                     plan.registrations, plan.ctls)
+    workers, models, ctls = plan.workers, plan.models, plan.ctls
     if orphaned:
-        for path in registrations:
+        for path in plan.registrations:
             unregister(path, namespace)
         for ctl in ctls:   # attached clients see it at once, and named ones re-attach
             ctl.set_state(STOPPING)
@@ -57,7 +60,7 @@ def janitor_main(namespace: str, conn, grace: float, main_pid: int, forked_end=N
         for pid in models | workers:
             _signal(pid, signal.SIGKILL)
         _wait_all(models | workers, 5.0)
-        for daemon in daemons:
+        for daemon in plan.daemons:
             daemon.stop(grace)
     for ctl in ctls:
         ctl.close()

@@ -148,8 +148,10 @@ class ModelServer(Holding):
         self.spec = spec
         try:   # pinned now: the main process is alive while it starts us (_main_gone)
             self._main_fd: Optional[int] = os.pidfd_open(spec.parent_pid)
+        except ProcessLookupError:
+            self._main_fd = -1     # it died already
         except OSError:
-            self._main_fd = None
+            self._main_fd = None   # no pidfds on this kernel: the parent is compared instead
         cfg = spec.config
         self.me = spec.instance
         self.tag = f"<{cfg.name}|{self.me}>"
@@ -341,7 +343,7 @@ class ModelServer(Holding):
         except Exception:  # noqa: BLE001
             pass
         self.acct.close()
-        if self._main_fd is not None:
+        if self._main_fd is not None and self._main_fd >= 0:
             os.close(self._main_fd)
         for view in (self._hdr_words, self._inst_words):
             view.release()
@@ -359,7 +361,9 @@ class ModelServer(Holding):
     def _main_gone(self) -> bool:
         """Has the runtime's main process exited? Its pidfd says (under forkserver the parent is
         the fork server, not the main process: comparing getppid() killed every process)."""
-        return self._main_fd is None or bool(select.select([self._main_fd], (), (), 0)[0])
+        if self._main_fd is None:
+            return os.getppid() != self.spec.parent_pid
+        return self._main_fd < 0 or bool(select.select([self._main_fd], (), (), 0)[0])
 
     def _register(self, peer: Peer) -> None:
         """A new client slot: page-lock it for DMA where the engine wants that (not a slot of
