@@ -23,8 +23,10 @@ GRAPH_AFTER_BATCHES = 3
 #: An eager forward pass that takes at least this fraction of its device time to enqueue (an
 #: average over batches) marks a launch-bound model: the device waits on the Python thread for much
 #: of each batch, and a graph replay enqueues it in tens of microseconds. Then cuda_graphs="auto"
-#: captures large batches too. ResNet-18 at 112x112, 32 rows, on an H200 measured ~1 (the device
-#: is idle while it launches); ResNet-50 at 224x224 well under it (docs/BENCHMARKS.md run 38).
+#: captures large batches too. On an H200 ResNet-18 at 112x112 measured ~1 (the device idles
+#: while it launches; graphs took it from 0.49x to 0.72x of plain PyTorch), and ResNet-50 at
+#: 224x224 beside 128 busy clients ~0.6 (its graphs halved the p99 at the same throughput);
+#: a model whose forward pass is one long kernel stays far below (docs/BENCHMARKS.md run 38).
 LAUNCH_BOUND = 0.5
 #: A new batch size is padded to one already run until the padding rows spent on it reach this
 #: many full batches (about the first-run cost of a size, NOTE [first batch of a size]).
