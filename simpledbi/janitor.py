@@ -2,11 +2,11 @@
 
 The main process (``Run``) holds one end of a pipe; the janitor blocks reading the other, and
 on a pidfd of the main process. Normal shutdown sends ``("done",)``. If the main process is
-SIGKILLed the read returns EOF, or the pidfd turns readable: the janitor then stops the workers (SIGTERM), gives model processes ``grace`` seconds to
-notice the orphaning and exit cleanly (a CUDA MPS client should not be killed mid-kernel), kills
-what is left, then stops the run's private MPS daemon (once its clients are gone) and removes
-the run's namespace directory. Same idea as CPython's ``resource_tracker``,
-scoped to one run.
+SIGKILLed the read returns EOF, or the pidfd turns readable: the janitor then stops the workers
+(SIGTERM), gives model processes ``grace`` seconds to notice the orphaning and exit cleanly (a
+CUDA MPS client should not be killed mid-kernel), kills what is left, then stops the run's
+private MPS daemon (once its clients are gone) and removes the run's namespace directory. Same
+idea as CPython's ``resource_tracker``, scoped to one run.
 """
 from __future__ import annotations
 
@@ -48,11 +48,11 @@ def janitor_main(namespace: str, conn, grace: float, main_pid: int, forked_end=N
     orphaned = _follow(conn, plan, main, gone)
     for fd in main:
         os.close(fd)
-    workers, models, ctls = plan.workers, plan.models, plan.ctls
+    workers, models = plan.workers, plan.models
     if orphaned:
         for path in plan.registrations:
             unregister(path, namespace)
-        for ctl in ctls:   # attached clients see it at once, and named ones re-attach
+        for ctl in plan.ctls:   # attached clients see it at once, and named ones re-attach
             ctl.set_state(STOPPING)
         for pid in workers:
             _signal(pid, signal.SIGTERM)
@@ -62,7 +62,7 @@ def janitor_main(namespace: str, conn, grace: float, main_pid: int, forked_end=N
         _wait_all(models | workers, 5.0)
         for daemon in plan.daemons:
             daemon.stop(grace)
-    for ctl in ctls:
+    for ctl in plan.ctls:
         ctl.close()
     sweep_namespace(namespace)
 
