@@ -14,8 +14,8 @@ from typing import Callable, List, Sequence
 import numpy as np
 
 from . import futex
-from .layout import DONE_OFF, MAX_IO, MAX_NDIM, ST_MODEL_ERROR, ST_OK, dtype_code
-from .slots import Request, Rows
+from .layout import DONE_OFF, MAX_IO, MAX_NDIM, ST_BAD_REQUEST, ST_MODEL_ERROR, dtype_code
+from .slots import Request
 
 logger = logging.getLogger(__name__)
 
@@ -24,7 +24,9 @@ class _Waker:
     """Wakes the callers of a batch from a thread of its own (on CUDA): each wake-up is a futex
     syscall that costs the waker an interrupt to the sleeper's CPU -- 29% of a model process's
     time at 128 clients on an H200 host, on the serving thread between two batches. Here the
-    syscalls run with the GIL released while the serving thread goes on."""
+    syscalls run with the GIL released while the serving thread goes on. One thread, not
+    several: four sharing each batch served 16% less on the fast command (H200, run 39: the
+    hand-offs and their GIL traffic cost more than the parallel wake-ups saved)."""
 
     def __init__(self):
         self._todo: "queue.SimpleQueue" = queue.SimpleQueue()
@@ -68,24 +70,35 @@ class Answers:
         """Write every answer first, then wake the callers: a woken caller often takes this CPU
         at once, and should not delay the answers of the rest of its batch. ``before_wake`` runs
         in between: counters a caller reads after its answer already include it."""
-        structure, offset = result.structure, 0
-        todo = [r for r in batch if not r.answered]
+        structure = result.structure
+        code, names, row = structure.code, structure.names, self.row
         # each output's first row and bytes per row: a request's rows are one memmove each
         outs = [o if o.flags.c_contiguous else np.ascontiguousarray(o) for o in result.outputs]
         per_out = [(o.ctypes.data, o.strides[0] if o.shape[0] > 1 else o.nbytes, o.dtype, o.shape[1:])
                    for o in outs]
+        sigs: dict = {}   # rows -> the outputs' (dtype, shape, ...) of a request of that many
+        answered, offset, t_done = [], 0, time.monotonic()
         try:
             for r in batch:
                 n = r.rows
-                rows = Rows([(ptr + offset * step, n * step) for ptr, step, _, _ in per_out],
-                            tuple(x for _, _, dt, item in per_out for x in (dt, (n, *item))), outs)
-                self.respond(r, ST_OK, "", rows, structure.code, t_close, total, wake=False,
-                             names=structure.names)
+                if not r.answered:
+                    sig = sigs.get(n)
+                    if sig is None:
+                        sig = sigs[n] = tuple(x for _, _, dt, item in per_out for x in (dt, (n, *item)))
+                    r.answered = True
+                    peer = r.peer
+                    try:
+                        peer.answer(r.seq, [(ptr + offset * step, n * step) for ptr, step, _, _ in per_out],
+                                    sig, r.out_offset, code, names, row, t_close, t_done, total)
+                    except Exception as e:  # noqa: BLE001 - a slot it cannot write (the client's doing)
+                        peer.respond(r.seq, ST_BAD_REQUEST, f"could not write the outputs into the "
+                                     f"client's slot: {e}", row, t_close, total, wake=False)
+                    answered.append(r)
+                    self._done(r, t_done)
                 offset += n
             if before_wake is not None:
                 before_wake()
         finally:
-            answered = [r for r in todo if r.answered]   # (by this call)
             if self._waker is not None:
                 for r in answered:
                     futex.store(r.peer.base + DONE_OFF, r.seq)
@@ -141,19 +154,21 @@ class Answers:
             if not r.answered:
                 self.respond(r, status, text)
 
-    def respond(self, r: Request, status: int, text: str = "", outs=(), structure: int = 0,
-                t_close: float = 0.0, total: int = 0, wake: bool = True, names: bytes = b"") -> None:
-        """Answer ``r`` (once); with ``wake=False`` the caller wakes it after."""
+    def respond(self, r: Request, status: int, text: str) -> None:
+        """Answer ``r`` (once) with an error ``status`` and wake it."""
         if r.answered:
             return
         r.answered = True
-        peer = r.peer
         try:
-            peer.respond(r.seq, status, text, outs, r.out_offset, structure, self.row, t_close, total,
-                         wake=wake, names=names)
+            r.peer.respond(r.seq, status, text, self.row)
         except Exception:  # noqa: BLE001 - a slot we cannot write: its client is gone
-            logger.debug("%s answering a request of process %d failed", self.tag, peer.pid, exc_info=True)
-        peer.answered_at, peer.answered_seq = time.monotonic(), r.seq
+            logger.debug("%s answering a request of process %d failed", self.tag, r.peer.pid, exc_info=True)
+        self._done(r, time.monotonic())
+
+    def _done(self, r: Request, now: float) -> None:
+        """``r`` is answered: its client's turnaround starts now (ModelServer._took), its HELD
+        row goes."""
+        r.peer.answered_at, r.peer.answered_seq = now, r.seq
         self._release(r)
 
 

@@ -482,19 +482,37 @@ class Peer:
             self.u8 = self.seg.ndarray(0, np.uint8, (self.seg.size,))
             self.base = self.u8.ctypes.data
 
-    def respond(self, seq: int, status: int, text: str = "", outputs: "Rows" = None,
-                out_offset: int = 0, structure: int = 0, claimer: int = 0, t_close: float = 0.0,
-                batch_rows: int = 0, wake: bool = True, names: bytes = b"") -> None:
-        """Write outputs (rows of this request), the response header (with ``names``, the keys of
-        a dict / namedtuple answer) and, last, RESP_SEQ; then wake the client (or leave that to
-        :meth:`wake`). ``outputs``: a :class:`Rows`. Never raises for a client's fault."""
+    def answer(self, seq: int, srcs, sig: tuple, out_offset: int, structure: int, names: bytes,
+               claimer: int, t_close: float, t_done: float, batch_rows: int) -> None:
+        """An answer with outputs: this request's rows of each (``srcs``: address and bytes per
+        output, one memmove each), then the response header -- built once per output signature
+        ``sig`` (dtype, shape, ...), structure and ``names`` (a dict / namedtuple answer's keys),
+        only the words a client reads -- then RESP_SEQ, last. The caller wakes the client.
+        Raises OSError, TypeError or ValueError for a slot it cannot write."""
+        key = (structure, out_offset, names, sig)
+        head = self._heads.get(key)
+        if head is None:
+            if len(self._heads) > 64:
+                self._heads.clear()
+            head = self._heads[key] = _response_head(sig, out_offset, structure, names)
+        if head[1] > self.seg.size:
+            self.grow(head[1])   # the outputs need more room than the client made
+        dst = self.base
+        for off, (src, n) in zip(head[2], srcs):
+            if n:
+                _memmove(dst + off, src, n)   # inside the slot: head[1] <= its size
+        buf = self.seg.buf
+        buf[RESP_OFF:RESP_OFF + len(head[0])] = head[0]
+        _CLAIMER_ROWS.pack_into(buf, RESP_OFF + _RS_CLAIMER * 8, claimer, batch_rows)
+        _TIMES.pack_into(buf, RESP_OFF + _RS_TCLOSE * 8, t_close, t_done)
+        _I64.pack_into(buf, RESP_SEQ_OFF, seq)  # last
+
+    def respond(self, seq: int, status: int, text: str, claimer: int = 0, t_close: float = 0.0,
+                batch_rows: int = 0, wake: bool = True) -> None:
+        """An answer without outputs (``status``, not ST_OK, and its ``text``): the response
+        header, RESP_SEQ last, then wake the client (unless ``wake`` is False). Never raises for
+        a client's fault."""
         try:
-            if status == ST_OK and not text:
-                try:
-                    self._respond_ok(seq, outputs, out_offset, structure, names, claimer, t_close, batch_rows)
-                    return
-                except (OSError, TypeError, ValueError) as e:
-                    status, text = ST_BAD_REQUEST, f"could not write the outputs into the client's slot: {e}"
             w = [0] * _RESP_WORDS
             data = text.encode("utf-8", "replace")[:ERR_BYTES]
             self.u8[ERR_OFF:ERR_OFF + len(data)] = np.frombuffer(data, np.uint8)
@@ -509,44 +527,12 @@ class Peer:
             if wake:
                 self.wake(seq)
 
-    def _respond_ok(self, seq, outputs, out_offset, structure, names, claimer, t_close, batch_rows) -> None:
-        """Outputs (the :class:`Rows` of a batch's outputs, copied with one memmove each), then a
-        response header built once per output signature (structure, dtypes, shapes, offsets) and
-        only the words it uses, then RESP_SEQ."""
-        key = (structure, out_offset, names, outputs.sig)
-        head = self._heads.get(key)
-        if head is None:
-            if len(self._heads) > 64:
-                self._heads.clear()
-            head = self._heads[key] = _response_head(outputs.sig, out_offset, structure, names)
-        if head[1] > self.seg.size:
-            self.grow(head[1])   # the outputs need more room than the client made
-        dst = self.base
-        for off, (src, n) in zip(head[2], outputs.srcs):
-            if n:
-                _memmove(dst + off, src, n)   # inside the slot: head[1] <= its size
-        buf = bytearray(head[0])
-        _CLAIMER_ROWS.pack_into(buf, _RS_CLAIMER * 8, claimer, batch_rows)
-        _TIMES.pack_into(buf, _RS_TCLOSE * 8, t_close, time.monotonic())
-        self.seg.buf[RESP_OFF:RESP_OFF + len(buf)] = buf
-        _I64.pack_into(self.seg.buf, RESP_SEQ_OFF, seq)  # last
-
     def wake(self, seq: int) -> None:
         futex.store_and_wake(self.base + DONE_OFF, seq)
 
     def close(self) -> None:
         self.u8 = None
         self.seg.close()
-
-
-class Rows:
-    """One request's rows of a batch's outputs: ``srcs`` (address, bytes) per output, and
-    ``sig`` (dtype, shape, ...) -- what its response header is built from (and cached by)."""
-
-    __slots__ = ("srcs", "sig", "keep")
-
-    def __init__(self, srcs, sig, keep=None):
-        self.srcs, self.sig, self.keep = srcs, sig, keep   # keep: arrays the addresses point into
 
 
 def _response_head(sig, out_offset: int, structure: int, names: bytes = b"") -> Tuple[bytes, int, tuple]:
