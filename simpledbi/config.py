@@ -1,8 +1,6 @@
-"""Configuration dataclasses: one frozen, picklable object per model process group.
-
-Validation happens in ``__post_init__`` and raises ``TypeError``/``ValueError`` that say what was
-expected and what came, so a mistake surfaces in the parent before any process starts.
-"""
+"""Configuration dataclasses: one frozen, picklable object per model process group. Validated in
+``__post_init__`` (TypeError/ValueError saying what was expected and what came), so a mistake
+surfaces in the parent before any process starts."""
 from __future__ import annotations
 
 import os
@@ -56,8 +54,7 @@ class ModelConfig:
     callable taking tensors). A request is batched with others of the same item shape; a batch
     closes at ``max_batch_size`` rows, at once when no attached client could send another
     request, and otherwise when waiting longer would not pay for itself (NOTE [adaptive
-    batching] in batching.py): ``wait_time`` is only the upper bound on that wait.
-    """
+    batching] in batching.py): ``wait_time`` is only the upper bound on that wait."""
 
     name: str
     path: Optional[str] = None
@@ -89,15 +86,13 @@ class ModelConfig:
     #: torch intra-op threads per model process (CPU); None: cores / CPU model processes.
     num_threads: Optional[int] = None
     #: How a batch reaches the device: "host" = np.concatenate into a pinned staging buffer and one
-    #: copy; "device" = one DMA per request straight from registered shared memory; "auto" picks
-    #: "device" on CUDA and "host" on CPU.
+    #: copy; "device" = one DMA per request from registered shared memory; "auto": device on CUDA.
     gather: str = "auto"
-    #: CUDA graphs: "auto" (default: on CUDA, graphs for batches of up to 8 rows, captured for
-    #: each item shape that arrives, off the serving thread; eager meanwhile, and for good if
-    #: capture fails), True (all sizes), False, or the batch sizes. With ``input_shapes`` they are
-    #: captured at load time (True / sizes: failure is an error). A batch is padded up to the next
-    #: captured size (padding rows never reach a caller): like batching itself, this assumes a
-    #: model's rows are independent of each other (eval-mode networks).
+    #: CUDA graphs: "auto" (default: on CUDA, batches of up to 8 rows, captured per item shape that
+    #: arrives, off the serving thread; eager meanwhile, and for good if capture fails), True (all
+    #: sizes), False, or the batch sizes. With ``input_shapes`` they are captured at load time
+    #: (True / sizes: failure is an error). A batch is padded up to the next captured size (padding
+    #: rows never reach a caller): like batching, this assumes independent rows (eval-mode networks).
     cuda_graphs: Union[bool, str, Sequence[int]] = "auto"
     #: Most clients (SharedModel threads) that may attach at once.
     max_clients: int = 512
@@ -113,9 +108,8 @@ class ModelConfig:
     restart_window: float = 60.0
     restart_backoff: float = 0.1
     #: Past capacity (NOTE [overload] in overload.py): at most this many requests wait across the
-    #: model's processes; a newcomer that would wait beyond it gets ``Overloaded`` at once (unless
-    #: it outranks a waiting one). 0: nothing waits (a request goes in a batch or is refused).
-    #: None: no bound but the deadlines.
+    #: model's processes; a newcomer beyond it gets ``Overloaded`` at once (unless it outranks a
+    #: waiting one). 0: nothing waits (a batch or a refusal). None: no bound but the deadlines.
     max_queue: Optional[int] = None
     #: Seconds: the timeout of a call that gives none. A request that cannot be answered within
     #: its timeout, given the queue ahead and the learned cost, is refused at once (Overloaded).
@@ -236,12 +230,10 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class RuntimeOptions:
-    """Knobs of the runtime itself, shared by ``Run`` and its children.
-
-    ``poll_interval`` bounds every wait on another process: after it a sleeper checks that the other side
-    is alive, so nothing waits forever on a dead process. It is not a spin: an idle runtime wakes
-    once per interval per process.
-    """
+    """Knobs of the runtime itself, shared by ``Run`` and its children. ``poll_interval`` bounds
+    every wait on another process: after it a sleeper checks that the other side is alive, so
+    nothing waits forever on a dead process (not a spin: an idle runtime wakes once per interval
+    per process)."""
 
     poll_interval: float = 0.5
     join_timeout: float = 10.0

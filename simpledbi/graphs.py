@@ -1,7 +1,6 @@
 """CUDA graphs and batch sizes, in a model process: which graphs to capture (off the serving
 thread), and which batch size to run an eager batch at (NOTE [first batch of a size]). A part of
-:class:`simpledbi.engine.Engine`, in a module of its own.
-"""
+:class:`simpledbi.engine.Engine`, in a module of its own."""
 from __future__ import annotations
 
 import logging
@@ -56,16 +55,15 @@ class GraphsAndSizes:
         self._graph_pool = None
         self._capturer: Optional[_Capturer] = None
         self.graph_total = 0                         # graphs ready (the instance row shows it)
-        # NOTE [first batch of a size]: the first forward pass of each new batch size costs far
-        # more than the next (cuDNN plans per shape, per thread: 33-54 ms against 4-5 ms for
-        # ResNet-50 on an H200, experiments/first_batch_cost.py): 50 ms stalls in the tail at 128
-        # workers. So an eager batch of a size not run here yet is padded up to the smallest size
-        # that was (padding rows hold earlier inputs or zeros and never reach a caller; rows are
-        # independent, as for CUDA graphs), and the new size is run once on zeros when the process
-        # is quiet. Under constant load (no quiet moment) a size is run as itself once its padding
-        # rows add up to PAD_BUDGET_BATCHES full batches: a rare size stays padded, a frequent one
-        # is bought within a few batches (at 90% open-loop load, padding every new size for good
-        # took the median from 3.9 to 11.4 ms, docs/BENCHMARKS.md run 17).
+        # NOTE [first batch of a size]: the first forward pass of a new batch size costs far more than
+        # the next (cuDNN plans per shape, per thread: 33-54 ms against 4-5 ms for ResNet-50 on an
+        # H200, experiments/first_batch_cost.py): 50 ms stalls in the tail at 128 workers. So an eager
+        # batch of a size not run here yet is padded up to the smallest size that was (padding rows
+        # never reach a caller; rows are independent, as for CUDA graphs), and the new size is run once
+        # on zeros when the process is quiet. Under constant load a size runs as itself once its
+        # padding rows add up to PAD_BUDGET_BATCHES full batches: a rare size stays padded, a frequent
+        # one is bought within a few batches (padding every new size for good took the 90%-load
+        # median from 3.9 to 11.4 ms, docs/BENCHMARKS.md run 17).
         self._sizes_run: Dict[tuple, set] = {}     # signature -> eager batch sizes run here
         self._size_todo: List[tuple] = []          # (signature, size) to run once when quiet
         self._pad_waste: Dict[tuple, int] = {}     # (signature, size) -> padding rows spent on it
@@ -76,9 +74,8 @@ class GraphsAndSizes:
         """A batch of this signature ran eagerly (or padded past its bucket): after a few, queue
         the graph of that bucket -- only sizes that actually occur are captured."""
         key = (sig, bucket)
-        n = self._graph_uses.get(key, 0) + 1
-        self._graph_uses[key] = n
-        if n != GRAPH_AFTER_BATCHES:
+        self._graph_uses[key] = self._graph_uses.get(key, 0) + 1
+        if self._graph_uses[key] != GRAPH_AFTER_BATCHES:
             return
         sigs = set(self._graphs) | {s for s, _ in self._graph_queued}
         if sig not in sigs and len(sigs) >= MAX_GRAPH_SIGNATURES:
@@ -214,16 +211,15 @@ class _Graph:
 
 
 class _Capturer:
-    """NOTE [graphs captured off the serving thread]: capturing a CUDA graph means running the
-    new size eagerly first (its cuDNN plans, 30-50 ms for ResNet-50 on an H200), then recording
-    it. Between batches that stalled every caller queued behind; waiting for an idle moment,
-    a busy process never captured, and its small batches stayed eager and launch-bound (the
-    75-90% load tail, docs/BENCHMARKS.md). So one thread per model process captures, on its own
-    stream in thread-local capture mode, while the serving thread keeps launching and takes each
-    finished graph between two batches. Captures share one memory pool and run one at a time;
-    only the serving thread replays, so graphs never run concurrently (the pool's condition).
-    Costs: the model is called from two threads at once (inference only, no state written), and
-    the capture's warm-up runs take some GPU time beside the serving."""
+    """NOTE [graphs captured off the serving thread]: capturing a CUDA graph means running the new
+    size eagerly first (its cuDNN plans, 30-50 ms for ResNet-50 on an H200), then recording it.
+    Between batches that stalled every caller queued behind; waiting for an idle moment, a busy
+    process never captured, and its small batches stayed eager and launch-bound (the 75-90% load
+    tail, docs/BENCHMARKS.md). So one thread per model process captures, on its own stream in
+    thread-local capture mode, while the serving thread keeps launching and takes each finished
+    graph between two batches. Captures share one memory pool and run one at a time; only the
+    serving thread replays, so graphs never run concurrently (the pool's condition). Costs: the
+    model is called from two threads at once (inference only), and warm-up runs take GPU time."""
 
     def __init__(self, engine):
         self._engine = engine
@@ -244,8 +240,7 @@ class _Capturer:
 
     def close(self) -> None:
         self._todo.put(None)
-        self._thread.join(timeout=5)   # captures take well under a second each; past that, the
-        # process exits anyway (a daemon thread)
+        self._thread.join(timeout=5)   # captures take < 1 s each; a stuck one ends with the process
 
     def _run(self) -> None:
         engine = self._engine

@@ -1,9 +1,9 @@
 """Named runtimes: how a process simpledbi did not start finds a running runtime by name.
 
 A runtime started with ``name="myapp"`` (``simpledbi serve --name myapp``, ``Runtime(models,
-name="myapp")``) writes a *registration* file ``sdbi_rt_myapp`` (mode 0600) into its user's
-private *registry directory*, naming the namespace (shm.py) it serves in -- which keeps its
-unguessable random part: the registration is the only stable name::
+name="myapp")``) writes a *registration* ``sdbi_rt_myapp`` (mode 0600) into its user's private
+*registry directory*, naming the namespace (shm.py) it serves in: with its unguessable random
+part, the namespace has no stable name but this::
 
     {"namespace": "sdbi_4242_9f...", "pid": 4242, "models": ["resnet50"], "started": 1.7e9}
 
@@ -19,37 +19,32 @@ Where a runtime registers (``registry_dir``, the same checks in every process)::
         v
     ~/.cache/simpledbi/run-<hostname>  (each level made 0700 if missing), else PermissionError
 
-Lookups (``lookup_dirs``: ``read``, ``resolve``, ``list_registrations``, the sweep) create
-nothing and search *both* directories of that chain, /dev/shm first, skipping one that fails the
-checks (with ``$SIMPLEDBI_DIR`` set, it alone). They do not re-derive the runtime's choice, which
-depends on what it found when it started: else another user who deletes their squatting
-directory after a runtime fell back to the home directory would steer every later client to
-/dev/shm, away from a running runtime. A registration counts wherever its directory passes.
+Lookups (``lookup_dirs``) create nothing and search *both* directories of that chain, /dev/shm
+first, skipping one that fails the checks (with ``$SIMPLEDBI_DIR`` set, it alone). Re-deriving
+the runtime's choice instead would let another user who deletes their squatting directory after
+a runtime fell back to the home directory steer every later client away from that runtime.
 
 Why so. /dev/shm is world-writable: another user can create any fixed name there first (the old
-``/dev/shm/sdbi_rt_<name>`` as much as ``sdbi_u<uid>``) and keep a runtime from starting. In a
-directory only we can write, nobody else can list, open, create, replace or block anything; what
-is left to defend is the directory's own name. In /dev/shm we claim it with ``mkdir``, and the
-sticky bit keeps others from renaming or removing it. If someone took it first we do not fight:
-nobody else can create anything in our home, so the fallback cannot be taken. The directory is
-never removed (an empty one costs nothing; a removed one could be taken). The old place is
-neither written nor read: a runtime and its clients must both use the registry directory.
+``/dev/shm/sdbi_rt_<name>``, no longer read or written, as much as ``sdbi_u<uid>``) and keep a
+runtime from starting. In a directory only we can write, nobody else can list, open, create,
+replace or block anything; what is left to defend is its own name, claimed in /dev/shm with
+``mkdir`` (the sticky bit keeps others from renaming or removing it). If someone took it first we
+do not fight: nobody else can create anything in our home. It is never removed (a removed one
+could be taken). ``$XDG_RUNTIME_DIR`` is not used: processes of one user disagree about it (unset
+under sudo, cron, ``docker exec``, a service with ``User=``), and ``/run/user/<uid>`` goes at the
+last logout while a nohup'ed runtime runs on. ``sdbi_u<uid>`` depends on the uid alone; the
+fallback also on the host (a home shared over NFS serves several, and a pid means something
+only on its host).
 
-``$XDG_RUNTIME_DIR`` is deliberately not used: processes of one user disagree about it (set in a
-login session, unset under sudo, cron, ``docker exec`` or a service with ``User=``), and
-``/run/user/<uid>`` is removed at the user's last logout while a nohup'ed runtime keeps running.
-``/dev/shm/sdbi_u<uid>`` depends on the uid alone; the fallback on the home directory and the host
-name (a home shared over NFS serves several hosts, and a pid means something only on its host).
-
-A directory counts (``_why_not_private``) when ``lstat`` says it is a directory (a symlink is
-never followed, a FIFO never opened) of our uid with no group or other permission bits, whose
-parent is ours or root's and, if others can write it, sticky (else another user could rename
-ours away and block the name). What we create is ``fchmod``-ed to 0700 after ``mkdir``: a
-default ACL must not open it to others, nor a umask of 07xx close it to us.
+A directory counts (``_why_not_private``) when ``lstat`` (never following a symlink, never opening
+a FIFO) says it is a directory of our uid with no group or other bits, in a parent of ours or
+root's that is sticky if others can write it (else they could rename ours away and block the
+name). What we create is ``fchmod``-ed to 0700 after ``mkdir``: a default ACL must not open it to
+others, nor a umask of 07xx close it to us.
 
 Clients trust a registration only when it is a regular file of their own user. One whose pid is
-gone is stale: the next runtime of that name replaces it, and ``sweep_dead_registrations``
-removes it. Only the runtime that wrote it removes it (or its janitor).
+gone is stale: the next runtime of that name replaces it, ``sweep_dead_registrations`` removes it.
+Only the runtime that wrote it (or its janitor) removes a live one.
 """
 from __future__ import annotations
 

@@ -44,22 +44,18 @@ logger = logging.getLogger(__name__)
 
 
 class Runtime(Supervision, Reloads, Workers):
-    """The model process groups of one run, usable as a context manager.
-
-    ``Run`` is the usual entry point; ``Runtime`` serves callers in this process too (tests,
-    notebooks): ``with Runtime([cfg]) as rt: SharedModel(name, shape, namespace=rt.namespace)``.
-    With ``name="myapp"`` any process of this user can attach by name, started by simpledbi or
-    not: ``SharedModel(model, runtime="myapp")`` or ``$SIMPLEDBI_RUNTIME=myapp`` (naming.py).
-    """
+    """The model process groups of one run, a context manager: ``Run`` is the usual entry point;
+    ``with Runtime([cfg]) as rt: SharedModel(name, shape, namespace=rt.namespace)`` serves this
+    process too (tests, notebooks). With ``name="myapp"`` any process of this user can attach:
+    ``SharedModel(model, runtime="myapp")`` or ``$SIMPLEDBI_RUNTIME=myapp`` (naming.py)."""
 
     def __init__(self, models: Sequence[ModelConfig], options: Optional[RuntimeOptions] = None,
                  start_method: str = "spawn", *, name: Optional[str] = None):
         models = [models] if isinstance(models, ModelConfig) else list(models)
         if not models or not all(isinstance(m, ModelConfig) for m in models):
             raise TypeError(f"models: expected a non-empty list of ModelConfig, got {models!r}")
-        names = [m.name for m in models]
-        if len(set(names)) != len(names):
-            raise ValueError(f"models: expected unique names, got {names}")
+        if len({m.name for m in models}) != len(models):
+            raise ValueError(f"models: expected unique names, got {[m.name for m in models]}")
         self.models = models
         self.name = naming.check_name(name) if name is not None else None
         self._registration: Optional[str] = None
@@ -104,9 +100,8 @@ class Runtime(Supervision, Reloads, Workers):
         _check_startable(self.models, self.ctx.get_start_method())
         self._started, self._owner = True, os.getpid()
         _forget_children_in_forks()
-        # A script that starts a runtime and then ends -- or raises -- without shutdown(): at
-        # exit, multiprocessing joins its non-daemon children, the janitor among them, which
-        # waits for this process to go: it hung for good. This runs first (atexit is LIFO).
+        # A script that ends (or raises) without shutdown() hung for good: at exit multiprocessing
+        # joins its children, the janitor among them, which waits for us. This runs first (LIFO).
         self._at_exit = functools.partial(_shutdown_at_exit, weakref.ref(self))
         atexit.register(self._at_exit)
         try:
@@ -267,15 +262,13 @@ class Runtime(Supervision, Reloads, Workers):
         logger.info("draining: new requests are refused; finishing %d accepted (up to %.0f s)",
                     self.unanswered(), timeout)
         deadline = time.monotonic() + timeout
-        while True:
-            pending = self.unanswered()
-            alive = any(m.proc.is_alive() for m in self.model_procs if not m.exit_handled)
-            if not pending or not alive or time.monotonic() >= deadline:
-                if pending:
-                    logger.warning("drain: %d request(s) still unanswered after %.1f s", pending,
-                                   min(timeout, time.monotonic() - deadline + timeout))
-                return not pending
+        while (pending := self.unanswered()) and time.monotonic() < deadline and any(
+                m.proc.is_alive() for m in self.model_procs if not m.exit_handled):
             time.sleep(0.01)  # shutdown only: a short poll of the counts, not a hot path
+        if pending:
+            logger.warning("drain: %d request(s) still unanswered after %.1f s", pending,
+                           min(timeout, time.monotonic() - deadline + timeout))
+        return not pending
 
     def unanswered(self) -> int:
         """Requests model processes hold unanswered, plus one per model whose socket still has a
@@ -294,9 +287,8 @@ class Runtime(Supervision, Reloads, Workers):
             self._registration = None
 
     def shutdown(self) -> None:
-        """Stop everything and remove what this run created. Idempotent. In a process forked
-        from the one that started it (a pre-fork server's worker, exiting), it does nothing: the
-        runtime is its parent's."""
+        """Stop everything and remove what this run created. Idempotent. Does nothing in a forked
+        process (a pre-fork server's worker, exiting): the runtime is its parent's."""
         if self._closed:
             return
         restore, terms = {}, []
@@ -410,8 +402,7 @@ def Run(target: Optional[Callable] = None, worker_num: int = 1, args: Sequence =
     Model processes load and warm up before any worker starts. Returns the workers' return values
     (by rank). Raises :class:`WorkerError` naming the first worker that raised or died (the others
     are then stopped), :class:`ModelProcessDied` if a model process dies, and cleans up on any
-    exit, Ctrl-C and SIGTERM included. ``name`` lets processes it did not start attach too.
-    """
+    exit, Ctrl-C and SIGTERM included. ``name`` lets processes it did not start attach too."""
     if target is not None and not callable(target):
         raise TypeError(f"target: expected a callable, got {type(target).__name__}")
     if not isinstance(worker_num, int) or isinstance(worker_num, bool) or worker_num < 0:
@@ -446,10 +437,9 @@ def _guard_hint(m: _ModelProc) -> str:
         return ""
     try:
         with open(path, encoding="utf-8", errors="replace") as f:
-            text = f.read()
+            if "__main__" in f.read():
+                return ""
     except OSError:
-        return ""
-    if "__main__" in text:
         return ""
     return (f". {os.path.basename(path)} has no `if __name__ == \"__main__\":` guard: model processes "
             f"are started with 'spawn' and re-import the main script, so the code that starts the "
@@ -457,10 +447,9 @@ def _guard_hint(m: _ModelProc) -> str:
 
 
 def _check_startable(models: List[ModelConfig], start_method: str) -> None:
-    """What would only fail seconds later, in a model process, fails here with its reason.
-
-    A factory the model processes could not import by name (a notebook's, a lambda) is replaced
-    in ``models`` -- the runtime's own list -- by one sent by value (sources.ship)."""
+    """What would only fail seconds later, in a model process, fails here with its reason. A
+    factory the model processes could not import by name (a notebook's, a lambda) is replaced in
+    ``models`` -- the runtime's own list -- by one sent by value (sources.ship)."""
     sources.forget_unreadable_main_file(start_method)   # NOTE [a __main__ that is no file]
     for k, cfg in enumerate(models):
         if cfg.path is not None and not os.path.exists(cfg.path):
@@ -481,11 +470,9 @@ def _check_startable(models: List[ModelConfig], start_method: str) -> None:
 
 @functools.lru_cache(maxsize=None)   # once per process
 def _forget_children_in_forks() -> None:
-    """A process forked with ``os.fork()`` from one that runs a runtime (a pre-fork server's
-    worker) inherits multiprocessing's list of its parent's children -- the janitor, model
-    processes -- and at its exit tried to join them: "AssertionError: can only join a child
-    process". They are not its children; the list is emptied in the child (multiprocessing's
-    own fork children start with an empty one anyway)."""
+    """A process ``os.fork()``-ed from one running a runtime (a pre-fork server's worker) inherits
+    multiprocessing's list of its parent's children and at exit tried to join them ("can only
+    join a child process"): the list is emptied in the child (as multiprocessing's own do)."""
     os.register_at_fork(after_in_child=lambda: mp.process._children.clear())
 
 
