@@ -25,8 +25,7 @@ how fast rows arrive (``RateMeter``) and how soon an answered client sends again
 
 A ``latency_target`` also caps a batch (:func:`row_limit`) at what fits in half the target (a
 request may wait for the batch ahead and then run in its own), unless batches that small could
-not keep up with the arrivals. Which requests a batch takes, in which order, is holding.py's.
-"""
+not keep up with the arrivals. Which requests a batch takes, in which order, is holding.py's."""
 from __future__ import annotations
 
 import math

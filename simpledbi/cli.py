@@ -4,8 +4,7 @@
 ``serve --config`` reads a TOML file holding what the flags hold (the flags win): ``name``,
 ``metrics_port``, ``metrics_addr``, ``drain_timeout``, ``[options]`` (RuntimeOptions fields) and
 ``[[models]]`` (ModelConfig fields; ``factory = "module:function"`` instead of ``path``), as in
-``examples/fastapi_app/serve.toml``.
-"""
+``examples/fastapi_app/serve.toml``."""
 from __future__ import annotations
 
 import argparse
@@ -188,10 +187,7 @@ def _serve(args: argparse.Namespace) -> int:
     if cfg.metrics_port is not None and importlib.util.find_spec("prometheus_client") is None:
         # before loading any model: a missing extra fails fast
         raise ImportError("--metrics-port needs prometheus_client: pip install 'simpledbi[metrics]'")
-    stop = threading.Event()
-    started = threading.Event()
-
-    signals = []
+    stop, started, signals = threading.Event(), threading.Event(), []
 
     def on_signal(signum, frame):
         signals.append(signum)

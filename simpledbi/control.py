@@ -5,8 +5,7 @@ directory (mode 0700: only its user can connect), one JSON line each way.
     simpledbi reload resnet50 --path mymodels:build_v2         (a factory, imported here)
 
 The serve process answers once the command is done (a reload: new processes serve, old ones
-finished), so the command's exit status says whether it worked.
-"""
+finished), so the command's exit status says whether it worked."""
 from __future__ import annotations
 
 import json

@@ -3,8 +3,7 @@
 Everything derives from :class:`SimpleDBIError` so an application can catch the whole family.
 Errors that happen in another process (a model's forward pass) are re-raised in the caller as a
 fresh exception object whose ``__cause__`` carries the remote traceback text, the way CPython's
-``concurrent.futures.process`` does it.
-"""
+``concurrent.futures.process`` does it."""
 from __future__ import annotations
 
 __all__ = ["SimpleDBIError", "ModelError", "ModelProcessDied", "RuntimeStopped", "WorkerError",
@@ -23,8 +22,7 @@ class ModelError(SimpleDBIError):
     """The model's own forward pass raised (or returned something unusable) for this request's batch.
 
     ``remote_type`` is the original exception's type name and ``remote_traceback`` its traceback
-    text; the runtime stays up and serves the next batch.
-    """
+    text; the runtime stays up and serves the next batch."""
 
     def __init__(self, message: str, remote_type: str = "", remote_traceback: str = ""):
         super().__init__(message)

@@ -14,8 +14,7 @@ scribbler, whatever the words hold.
   between the client's look and its sleep makes the sleep return at once: no wake-up is lost.
 
 Words are 4 bytes at 4-aligned offsets of a mapping that outlives every call made on it (a sealed
-memfd: it cannot shrink). posix_ipc has no futexes, so these go through ctypes.
-"""
+memfd: it cannot shrink). posix_ipc has no futexes, so these go through ctypes."""
 from __future__ import annotations
 
 import ctypes

@@ -1,7 +1,6 @@
 """A client's inputs: its max_shapes and dtypes (as given, or as the model declares them), and the
 checks every call's inputs pass before anything is sent (TypeError / ValueError naming what was
-expected and what came). A part of :class:`simpledbi.client.SharedModel`, in a module of its own.
-"""
+expected and what came). A part of :class:`simpledbi.client.SharedModel`, in a module of its own."""
 from __future__ import annotations
 
 import math

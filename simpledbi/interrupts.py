@@ -15,8 +15,7 @@ in the main thread at its next bytecode -- inside ``Process.start()``, between s
 and writing its bootstrap data (the child dies printing "EOFError: Ran out of input"), or before
 the runtime recorded the child (shutdown then neither stops nor joins it). So while the block
 lasts, the main thread's SIGINT handler only takes note, and the Ctrl-C is raised when the block
-ends. Callers record the child inside the block, so that shutdown knows it by then.
-"""
+ends. Callers record the child inside the block, so that shutdown knows it by then."""
 from __future__ import annotations
 
 import contextlib

@@ -6,8 +6,7 @@ SIGKILLed the read returns EOF, or the pidfd turns readable: the janitor then st
 (SIGTERM), gives model processes ``grace`` seconds to notice the orphaning and exit cleanly (a
 CUDA MPS client should not be killed mid-kernel), kills what is left, then stops the run's
 private MPS daemon (once its clients are gone) and removes the run's namespace directory. Same
-idea as CPython's ``resource_tracker``, scoped to one run.
-"""
+idea as CPython's ``resource_tracker``, scoped to one run."""
 from __future__ import annotations
 
 import contextlib

@@ -8,8 +8,7 @@ hands them to the parent's logger of the same name, which filters and formats th
 
 Why one pipe per process and not a ``multiprocessing.Queue`` (what ``QueueHandler`` examples
 use): a Queue's writers share one lock; a model process killed while holding it would silence
-the logs of every other one.
-"""
+the logs of every other one."""
 from __future__ import annotations
 
 import logging

@@ -20,8 +20,7 @@ scanning /proc for a process named ``nvidia-cuda-mps*`` (the control daemon and 
 starts) whose environment holds ``CUDA_MPS_PIPE_DIRECTORY=<our private pipe dir>``: that path is
 fresh and unique to this runtime, so the match cannot name anything that is not ours, and unlike
 the daemon's pid file it also finds its servers and survives a daemon that died half-way. Each
-match is pinned with a pidfd and checked again, so a pid reused in between is never signalled.
-"""
+match is pinned with a pidfd and checked again, so a pid reused in between is never signalled."""
 from __future__ import annotations
 
 import collections
@@ -47,9 +46,8 @@ CONTROL = "nvidia-cuda-mps-control"
 PIPE_VAR, LOG_VAR = "CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY"
 SYSTEM_PIPE_DIR = "/tmp/nvidia-mps"   # where clients look when CUDA_MPS_PIPE_DIRECTORY is unset
 ANSWER_TIMEOUT = 5.0                  # seconds a fresh daemon has to answer get_server_list
-#: After SIGKILL, how long to wait for the daemon's processes to be gone: the kernel reaps a
-#: killed process in milliseconds, unless it is in an uninterruptible GPU call -- past this the
-#: runtime stops anyway (its own exit does not depend on the daemon's).
+#: After SIGKILL, how long to wait for the daemon's processes to go: the kernel reaps one in
+#: milliseconds unless it is in an uninterruptible GPU call; past this the runtime stops anyway.
 _KILL_WAIT = 5.0
 
 
@@ -92,8 +90,7 @@ def visible_gpu_count() -> int:
 def _gpu_of(device: str, ordinal: int, gpus: int) -> Optional[str]:
     """The CUDA device a model process with ``device`` lands on, None for the CPU. "cuda" and
     "auto" spread instances over the visible GPUs (engine.resolve_device); "auto" counts as a GPU
-    whenever there is one (the parent never imports torch to check: without a GPU the MPS binary
-    is normally absent as well)."""
+    (the parent never imports torch to check: without a GPU the MPS binary is absent too)."""
     if device == "cpu":
         return None
     return device if ":" in device else f"cuda:{ordinal % max(gpus, 1)}"
@@ -115,8 +112,8 @@ def wanted(mode: str, models: Sequence) -> Optional[str]:
 
 
 def foreign_daemon(environ=None, system_pipe_dir: Optional[str] = None) -> Optional[str]:
-    """Why an MPS daemon that is not ours already serves this environment, or None. Its clients
-    would be our model processes too, so a second daemon would only compete with it."""
+    """Why an MPS daemon not ours already serves this environment (its clients would be our model
+    processes too: a second daemon would only compete), or None."""
     environ = os.environ if environ is None else environ
     system_pipe_dir = SYSTEM_PIPE_DIR if system_pipe_dir is None else system_pipe_dir
     if environ.get(PIPE_VAR):
@@ -159,9 +156,7 @@ class PrivateDaemon:
         """Start the daemon; return once it answers a harmless command. Raises MpsUnavailable."""
         deadline = time.monotonic() + timeout
         out_path = os.path.join(self.env[LOG_VAR], "start.out")
-        # To a file, not a pipe: the daemonized child may keep its stdout, and a pipe would then
-        # make us wait for its EOF until the daemon exits.
-        with open(out_path, "wb") as out:
+        with open(out_path, "wb") as out:   # not a pipe: the daemon may keep it (no EOF till it exits)
             try:
                 done = subprocess.run([self.control, "-d"], env=dict(os.environ, **self.env),
                                       stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
@@ -266,12 +261,8 @@ def pidfds(pids, keep: Optional[Callable[[int], bool]] = None) -> Dict[int, int]
 
 def wait_exit(pinned: Dict[int, int], timeout: float) -> Dict[int, int]:
     """Wait until every pinned process exited (its pidfd turns readable); those still alive."""
-    left = dict(pinned)
-    deadline = time.monotonic() + timeout
-    while left:
-        wait = deadline - time.monotonic()
-        if wait <= 0:
-            break
+    left, deadline = dict(pinned), time.monotonic() + timeout
+    while left and (wait := deadline - time.monotonic()) > 0:
         ready, _, _ = select.select(list(left.values()), [], [], wait)
         left = {pid: fd for pid, fd in left.items() if fd not in ready}
     return left
@@ -279,12 +270,11 @@ def wait_exit(pinned: Dict[int, int], timeout: float) -> Dict[int, int]:
 
 def start_for(mode: str, models: Sequence, adopt: Callable[[PrivateDaemon], None],
               timeout: float = ANSWER_TIMEOUT) -> MpsStatus:
-    """Start a private daemon if ``mode`` and the placement of ``models`` want one.
-
-    ``adopt`` gets the daemon before it starts, so whoever cleans up knows its directory even if
-    start-up is interrupted. Where MPS is wanted but cannot be had, one log line says why and the
-    runtime goes on without it -- except with ``mode="on"``, which raises RuntimeError when the
-    daemon cannot be started (a foreign daemon that already serves the children is fine)."""
+    """Start a private daemon if ``mode`` and the placement of ``models`` want one. ``adopt``
+    gets it before it starts, so whoever cleans up knows its directory even if start-up is
+    interrupted. Where MPS is wanted but cannot be had, one log line says why and the runtime goes
+    on without it -- except with ``mode="on"``, which raises RuntimeError when the daemon cannot be
+    started (a foreign daemon that already serves the children is fine)."""
     why = wanted(mode, models)
     if why is None:
         return MpsStatus("off", f"mps={mode!r}" + (": no CUDA device has two model processes"

@@ -44,8 +44,7 @@ others, nor a umask of 07xx close it to us.
 
 Clients trust a registration only when it is a regular file of their own user. One whose pid is
 gone is stale: the next runtime of that name replaces it, ``sweep_dead_registrations`` removes it.
-Only the runtime that wrote it (or its janitor) removes a live one.
-"""
+Only the runtime that wrote it (or its janitor) removes a live one."""
 from __future__ import annotations
 
 import contextlib

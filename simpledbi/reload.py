@@ -1,6 +1,5 @@
 """Rolling reloads: a model's processes replaced without a failed request. A part of
-:class:`simpledbi.runtime.Runtime` (its state), in a module of its own.
-"""
+:class:`simpledbi.runtime.Runtime` (its state), in a module of its own."""
 from __future__ import annotations
 
 import contextlib

@@ -4,8 +4,7 @@
 A model process that dies is restarted while the other instances serve (supervisor.py); only a
 model marked broken makes ``Run`` raise. Shutdown is ordered and idempotent: refuse new requests
 -> stop workers -> wake and stop model processes -> join with timeout -> terminate -> kill ->
-answer what is left queued -> close views -> remove the namespace.
-"""
+answer what is left queued -> close views -> remove the namespace."""
 from __future__ import annotations
 
 import atexit

@@ -7,14 +7,12 @@ create nor squat anything inside. It holds only names: each model's request sock
 command socket.
 
 Shared memory is a *memfd* sealed against shrinking (``F_SEAL_SHRINK``): the kernel refuses to
-truncate it, to anyone, so a mapping of it can never SIGBUS -- the reason no process of a
-runtime has to distrust the size of memory another process hands it. A control block is one
-of the runtime's main process, reached by others through ``<ns>/<m>.ctl``, a symlink to
-``/proc/<main pid>/fd/<n>`` (opening it opens the memfd itself; only the same user may). A
-client's slot is a memfd of the client's, reached the same way (slots.py). Nothing is unlinked:
-a memfd goes when its last descriptor and mapping do. (Why not ``multiprocessing.shared_memory``:
-README, Architecture; CPython #82300/#104291.)
-"""
+truncate it, to anyone, so a mapping of it can never SIGBUS -- no process of a runtime has to
+distrust the size of memory another hands it. A control block is a memfd of the runtime's main
+process, reached through ``<ns>/<m>.ctl``, a symlink to ``/proc/<main pid>/fd/<n>`` (opening it
+opens the memfd itself; only the same user may); a client's slot is one of the client's, reached
+the same way (slots.py). Nothing is unlinked: a memfd goes with its last descriptor and mapping.
+(Why not ``multiprocessing.shared_memory``: README, Architecture; CPython #82300/#104291.)"""
 from __future__ import annotations
 
 import contextlib
@@ -59,8 +57,7 @@ SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL
 class Segment:
     """One mapped, sealed memfd: made (:meth:`create_memfd`) or opened (:meth:`attach`,
     :meth:`from_fd`: only a memfd sealed against shrinking), ``readonly`` for clients' control
-    blocks. Views made with :meth:`ndarray` keep the mapping exported; drop them before
-    :meth:`close`."""
+    blocks. Views made with :meth:`ndarray` keep the mapping exported: drop them before closing."""
 
     def __init__(self, fd: int, size: int, path: str = "", readonly: bool = False):
         self.fd: Optional[int] = fd
@@ -114,9 +111,8 @@ class Segment:
         return np.frombuffer(self.buf, dtype=dtype, count=count, offset=offset).reshape(shape)
 
     def map_at_least(self, size: int) -> None:
-        """Map ``size`` bytes of the memfd (at least as many as now): the new mapping is made
-        before the old one goes, so a failure (a size the address space cannot hold) leaves the
-        old one in place. Views made before must be dropped."""
+        """Map ``size`` bytes of the memfd (at least as many as now), the new mapping made before the
+        old one goes (a failure leaves the old one in place). Views made before must be dropped."""
         if size <= self.size:
             return
         new = mmap.mmap(self.fd, size, access=mmap.ACCESS_READ if self.readonly else mmap.ACCESS_WRITE)
@@ -128,8 +124,7 @@ class Segment:
         if self._mmap is not None:
             try:
                 self._mmap.close()
-            except BufferError:
-                # A view is still alive somewhere; the mapping goes when it does.
+            except BufferError:   # a view is alive: the mapping goes when it does
                 logger.debug("segment %s still has views; leaving the mapping to the GC", self.path)
             self._mmap = None
         if self.fd is not None:
@@ -178,14 +173,13 @@ _O_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 def remove_tree(path: str, budget: float = 5.0) -> None:
-    """Remove ``path`` and, if it is a directory, everything in it. Never raises, never follows a
-    symlink (``path``'s own directory included: a client that swaps the namespace directory for a
-    link must not make the runtime delete elsewhere), and never recurses: a client can nest
-    directories deeper than Python's recursion limit (``shutil.rmtree`` then raises
-    RecursionError) or than PATH_MAX. A non-empty subdirectory's own subdirectories are moved up
-    into the top directory first, so no more than two directories are open at any time and the
-    work is linear in the number of entries; a client that keeps adding entries is given up on
-    after ``budget`` seconds (logged)."""
+    """Remove ``path`` and, if a directory, all in it. Never raises, never follows a symlink
+    (``path``'s own directory included: a client that swaps the namespace directory for a link
+    must not make the runtime delete elsewhere), never recurses (a client can nest directories
+    deeper than the recursion limit, where ``shutil.rmtree`` raises, or than PATH_MAX): a
+    non-empty subdirectory's subdirectories are moved up into the top one, so at most two are open
+    and the work is linear in the entries. One that keeps growing is given up on after ``budget``
+    seconds (logged)."""
     parent, base = os.path.split(path)
     try:
         pfd = os.open(parent, _O_DIR)

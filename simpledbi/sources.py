@@ -1,18 +1,13 @@
 """Where a model comes from -- a file or a factory -- and how a factory reaches a model process.
 
 Model processes are spawned: a factory travels to them pickled *by name* (the child imports
-``module.qualname``). That fails for a factory the child cannot import:
-
-- one defined in ``__main__`` when ``__main__`` is no file a child can re-run: a notebook
-  (Jupyter, IPython), ``python -c ...``, ``python - < script.py``;
-- a lambda or a nested function (``<lambda>`` or ``<locals>`` in its qualified name).
-
+``module.qualname``), which fails for a lambda or a nested function, and for one defined in a
+``__main__`` that is no file a child can re-run (a notebook, ``python -c``, ``python - < x.py``).
 ``ship`` sends those *by value* instead: ``ByValue`` carries ``cloudpickle.dumps(factory)``
 (code, closure and what it uses from ``__main__``, classes included), and the model process
 calls ``pickle.loads(payload)()``. cloudpickle is the optional ``simpledbi[notebook]`` extra
 (what Ray, Dask and joblib ship functions with); without it such a factory is refused before
-anything starts, with what to do.
-"""
+anything starts, saying what to do."""
 from __future__ import annotations
 
 import functools
@@ -67,11 +62,8 @@ def _unwrap(factory) -> Tuple[Any, str]:
 def main_is_importable() -> bool:
     """Can a spawned child re-create ``__main__`` (``python -m pkg`` by name, a script by path)?"""
     main = sys.modules.get("__main__")
-    if main is None:
-        return False
-    if getattr(getattr(main, "__spec__", None), "name", None):
-        return True
-    return _main_file(main) is not None
+    return main is not None and (bool(getattr(getattr(main, "__spec__", None), "name", None))
+                                 or _main_file(main) is not None)
 
 
 def _main_file(main) -> Optional[str]:
@@ -127,9 +119,9 @@ class _MainFinder(pickle.Pickler):
 
 def ship(what: str, factory: Callable[..., Any], start_method: str,
          children: str = "model processes") -> Callable[..., Any]:
-    """``factory`` (a model's factory, or ``Run``'s target: ``what`` says which, as messages name
-    it) as it can travel to ``children`` started with ``start_method``: itself when they can
-    import it by name (or inherit it, under fork), else a ByValue."""
+    """``factory`` (a model's factory, or ``Run``'s target: ``what`` names it in messages) as it
+    can travel to ``children`` started with ``start_method``: itself when they can import it by
+    name (or inherit it, under fork), else a ByValue."""
     if start_method == "fork" or isinstance(factory, ByValue):
         return factory
     why = why_not_importable(factory)
@@ -200,10 +192,9 @@ def is_import_path(where: str) -> bool:
 
 
 def resolve(where: str) -> Tuple[str, Any]:
-    """Read a model source given as text: ``("path", where)`` for a model file, ``("factory",
+    """A model source given as text: ``("path", where)`` for a model file, ``("factory",
     function)`` for ``module:function``. Raises FileNotFoundError (nothing of either kind) or
-    ValueError (a factory that does not import, or a value that could be both), saying what
-    was tried."""
+    ValueError (a factory that does not import, or could be both), saying what was tried."""
     is_file = os.path.isfile(where)
     if not is_import_path(where):
         if is_file:

@@ -1,8 +1,7 @@
 """Reading the runtime's own counters out of a model's control block.
 
 Model processes write per-instance counters and a ring of per-batch records (layout.B_FIELDS);
-this module turns them into the figures ``SharedModel.stats()`` and ``benchmark.py`` report.
-"""
+this module turns them into the figures ``SharedModel.stats()`` and ``benchmark.py`` report."""
 from __future__ import annotations
 
 from typing import Optional

@@ -1,9 +1,8 @@
 """Looking inside a running runtime without taking part in it: ``simpledbi.inspect(name)``.
 
-Everything here is read from the models' control blocks (mapped read-only), the memory the model
-processes write their counters, histograms and per-batch ring into: no request is sent, so it
-works when every slot is taken and costs the runtime nothing. ``simpledbi status`` prints it; the Prometheus collector (metrics.py) exports it.
-"""
+Everything is read from the models' control blocks (mapped read-only), where the model processes
+write their counters, histograms and per-batch ring: no request is sent, so it works when every
+slot is taken and costs the runtime nothing. ``simpledbi status`` prints it; metrics.py exports it."""
 from __future__ import annotations
 
 import os
@@ -116,11 +115,9 @@ class RuntimeInfo:
 
 
 def inspect(runtime: Optional[str] = None, *, namespace: Optional[str] = None) -> RuntimeInfo:
-    """What the runtime named ``runtime`` (or at ``namespace``) is doing right now.
-
-    Without arguments: ``$SIMPLEDBI_RUNTIME``, else the only named runtime of this user. Raises
-    LookupError when there is no such runtime.
-    """
+    """What the runtime named ``runtime`` (or at ``namespace``) is doing right now. Without
+    arguments: ``$SIMPLEDBI_RUNTIME``, else the only named runtime of this user. Raises
+    LookupError when there is no such runtime."""
     name = runtime
     if namespace is None:
         if name is None:
@@ -170,8 +167,8 @@ def _model_info(name: str, ctl: ControlBlock) -> ModelInfo:
         pid, dev = int(row["pid"]), int(row["device"])
         if i not in active and not (row["state"] == INST_RETIRING and pid_alive(pid)):
             continue
-        instances.append(InstanceInfo(
-            index=i, pid=pid, device="-" if not pid else "cpu" if dev < 0 else f"cuda:{dev}",   # (not started)
+        instances.append(InstanceInfo(   # device "-": not started
+            index=i, pid=pid, device="-" if not pid else "cpu" if dev < 0 else f"cuda:{dev}",
             state=INST_STATE_NAMES.get(int(row["state"]), str(int(row["state"]))),
             alive=pid_alive(pid), restarts=int(row["restarts"]), cuda_graphs=int(row["graphs"]),
             requests=int(c["requests"][i]), batches=int(c["batches"][i]), started=float(row["t_start"])))

@@ -1,8 +1,7 @@
 """Supervision of a runtime's model processes: deaths seen within milliseconds (a thread on
 their sentinels), what a dead process held answered at once (``ModelProcessDied``), restarts
 with back-off, and after ``ModelConfig.max_restarts`` failures within ``restart_window`` seconds
-the model marked broken. A part of :class:`simpledbi.runtime.Runtime` (its state).
-"""
+the model marked broken. A part of :class:`simpledbi.runtime.Runtime` (its state)."""
 from __future__ import annotations
 
 import contextlib
