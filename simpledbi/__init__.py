@@ -18,21 +18,8 @@ from .errors import (ModelError, ModelProcessDied, RuntimeStopped, RuntimeUnavai
 from .runtime import Run, Runtime
 from .status import inspect
 
-__all__ = [
-    "Run",
-    "Runtime",
-    "ModelConfig",
-    "RuntimeOptions",
-    "SharedModel",
-    "SimpleDBIError",
-    "ModelError",
-    "ModelProcessDied",
-    "RuntimeStopped",
-    "RuntimeUnavailable",
-    "SlotsExhausted",
-    "Overloaded",
-    "WorkerError",
-    "inspect",
-]
+__all__ = ["Run", "Runtime", "ModelConfig", "RuntimeOptions", "SharedModel", "SimpleDBIError", "ModelError",
+           "ModelProcessDied", "RuntimeStopped", "RuntimeUnavailable", "SlotsExhausted", "Overloaded",
+           "WorkerError", "inspect"]
 __version__ = "0.2.0"
 

@@ -153,12 +153,8 @@ class CostModel:
                 self._sums.clear()
                 self._fits.clear()
             s = self._sums[key] = [0.0] * 5
-        d = self.decay
-        s[0] = s[0] * d + 1.0
-        s[1] = s[1] * d + rows
-        s[2] = s[2] * d + seconds
-        s[3] = s[3] * d + rows * rows
-        s[4] = s[4] * d + rows * seconds
+        for i, x in enumerate((1.0, rows, seconds, rows * rows, rows * seconds)):
+            s[i] = s[i] * self.decay + x
         self._fits.pop(key, None)
 
     def fit(self, key: int) -> Optional[Tuple[float, float]]:
@@ -176,10 +172,8 @@ class CostModel:
         else:
             per_row = max(0.0, (nt / w - mean_n * mean_t) / var)
             fixed = mean_t - per_row * mean_n
-            if fixed < 0.0:   # proportional cost: no fixed part worth waiting for
-                fit = (0.0, mean_t / mean_n)
-            else:
-                fit = (fixed, per_row)
+            # fixed < 0: a proportional cost, no fixed part worth waiting for
+            fit = (0.0, mean_t / mean_n) if fixed < 0.0 else (fixed, per_row)
         self._fits[key] = fit
         return fit
 

@@ -1,13 +1,10 @@
-"""Commands to a running ``simpledbi serve``: a Unix socket in the runtime's private namespace
-directory (mode 0700: only its user can connect), one JSON line each way.
-
-    simpledbi reload resnet50 --path models/resnet50_v2.pt     ->  {"op": "reload", ...}
-    simpledbi reload resnet50 --path mymodels:build_v2         (a factory, imported here)
-
-The serve process answers once the command is done (a reload: new processes serve, old ones
+"""Commands to a running ``simpledbi serve`` (``simpledbi reload``): a Unix socket in the
+runtime's private namespace directory (mode 0700: only its user can connect), one JSON line each
+way. The serve process answers once the command is done (a reload: new processes serve, old ones
 finished), so the command's exit status says whether it worked."""
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -63,10 +60,8 @@ class ControlServer:
             except Exception as e:  # noqa: BLE001 - every failure is an answer
                 logger.exception("control command failed")
                 reply = {"ok": False, "error": f"{type(e).__name__}: {e}"}
-            try:
+            with contextlib.suppress(OSError):
                 conn.sendall(json.dumps(reply).encode() + b"\n")
-            except OSError:
-                pass
 
     def _handle(self, line: bytes) -> dict:
         try:
@@ -75,8 +70,7 @@ class ControlServer:
             return {"ok": False, "error": "expected one JSON object per line"}
         op = msg.get("op") if isinstance(msg, dict) else None
         if op == "reload":
-            model, path = msg.get("model"), msg.get("path")
-            timeout = msg.get("timeout", 60.0)
+            model, path, timeout = msg.get("model"), msg.get("path"), msg.get("timeout", 60.0)
             if not isinstance(model, str) or (path is not None and not isinstance(path, str)):
                 return {"ok": False, "error": "reload: expected a model name and an optional path"}
             logger.info("reload of %r requested%s", model, f" from {path}" if path else "")
@@ -92,15 +86,11 @@ class ControlServer:
 
     def close(self) -> None:
         self._closed = True
-        try:
+        with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
         self.sock.close()
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
-        except FileNotFoundError:
-            pass
 
 
 def _read_line(conn: socket.socket) -> bytes:

@@ -19,15 +19,13 @@ class RemoteTraceback(Exception):
 
 
 class ModelError(SimpleDBIError):
-    """The model's own forward pass raised (or returned something unusable) for this request's batch.
-
-    ``remote_type`` is the original exception's type name and ``remote_traceback`` its traceback
-    text; the runtime stays up and serves the next batch."""
+    """The model's own forward pass raised (or returned something unusable) for this request's batch:
+    ``remote_type`` is the original exception's type name, ``remote_traceback`` its traceback text.
+    The runtime stays up and serves the next batch."""
 
     def __init__(self, message: str, remote_type: str = "", remote_traceback: str = ""):
         super().__init__(message)
-        self.remote_type = remote_type
-        self.remote_traceback = remote_traceback
+        self.remote_type, self.remote_traceback = remote_type, remote_traceback
         if remote_traceback:
             self.__cause__ = RemoteTraceback(remote_traceback)
 
@@ -55,10 +53,8 @@ class WorkerError(SimpleDBIError):
     def __init__(self, message: str, rank: int, exitcode: int | None = None,
                  remote_type: str = "", remote_traceback: str = ""):
         super().__init__(message)
-        self.rank = rank
-        self.exitcode = exitcode
-        self.remote_type = remote_type
-        self.remote_traceback = remote_traceback
+        self.rank, self.exitcode = rank, exitcode
+        self.remote_type, self.remote_traceback = remote_type, remote_traceback
         if remote_traceback:
             self.__cause__ = RemoteTraceback(remote_traceback)
 
@@ -72,17 +68,13 @@ class Overloaded(SimpleDBIError, TimeoutError):
     bound (NOTE [overload]): ``reason`` is ``"deadline"`` (it could not be answered within its
     timeout given the queue ahead) or ``"queue"`` (``max_queue`` requests were waiting);
     ``expected_wait`` the wait it would have had (seconds, 0 when unknown). Retrying after about
-    ``retry_after`` seconds is reasonable. The request never ran.
-
-    A ``TimeoutError`` too: code that sets a timeout and catches ``TimeoutError`` keeps working
-    (the refusal only comes early, instead of after the timeout)."""
+    ``retry_after`` seconds is reasonable. The request never ran. A ``TimeoutError`` too: code
+    that catches ``TimeoutError`` keeps working (the refusal only comes before the timeout)."""
 
     def __init__(self, message: str, reason: str = "queue", expected_wait: float = 0.0,
                  timeout: float | None = None):
         super().__init__(message)
-        self.reason = reason
-        self.expected_wait = expected_wait
-        self.timeout = timeout
+        self.reason, self.expected_wait, self.timeout = reason, expected_wait, timeout
 
     @property
     def retry_after(self) -> float:

@@ -2,20 +2,19 @@
 
 NOTE [Ctrl-C and children]
 --------------------------
-Ctrl-C sends SIGINT to the whole foreground process group. A spawned child spends its first
-second or two unpickling its arguments (importing the user's main module and torch); a SIGINT
-then raised KeyboardInterrupt there and each child printed a traceback, although the main process
-cleans everything up. A child's entry point runs only after those imports, so the main process
-starts each child with SIGINT blocked (the mask survives fork and exec), and the entry point
-ignores SIGINT before it unblocks it. The main process alone decides when children stop.
+Ctrl-C sends SIGINT to the whole foreground process group. A spawned child spends its first second or
+two unpickling its arguments (importing the user's main module and torch), where a SIGINT raised
+KeyboardInterrupt and each child printed a traceback. A child's entry point runs only after those
+imports, so the main process starts each child with SIGINT blocked (the mask survives fork and exec),
+and the entry point ignores SIGINT before it unblocks it: the main process alone decides when children
+stop.
 
-Blocking SIGINT in the starting thread does not hold a Ctrl-C back from Python, though: the kernel
-hands it to another thread (the log relay, the supervisor), and CPython raises KeyboardInterrupt
-in the main thread at its next bytecode -- inside ``Process.start()``, between spawning the child
-and writing its bootstrap data (the child dies printing "EOFError: Ran out of input"), or before
-the runtime recorded the child (shutdown then neither stops nor joins it). So while the block
-lasts, the main thread's SIGINT handler only takes note, and the Ctrl-C is raised when the block
-ends. Callers record the child inside the block, so that shutdown knows it by then."""
+Blocking SIGINT in the starting thread does not hold a Ctrl-C back from Python: the kernel hands it to
+another thread, and CPython raises KeyboardInterrupt in the main thread at its next bytecode -- inside
+``Process.start()`` between spawning the child and writing its bootstrap data (the child dies printing
+"EOFError: Ran out of input"), or before the runtime recorded the child (shutdown then neither stops nor
+joins it). So while the block lasts the main thread's SIGINT handler only takes note, and the Ctrl-C is
+raised when it ends; callers record the child inside the block."""
 from __future__ import annotations
 
 import contextlib
@@ -31,8 +30,8 @@ _SIGINT = {signal.SIGINT}
 def children_deaf_to_ctrl_c():
     """Children started inside this block begin with SIGINT blocked; a Ctrl-C meanwhile is raised
     when the block ends, never inside it (NOTE [Ctrl-C and children])."""
-    # multiprocessing starts its resource tracker with the first spawned child, and unblocks
-    # SIGINT when that is done: start it first, or that child would begin with SIGINT unblocked
+    # multiprocessing starts its resource tracker with the first spawned child, unblocking SIGINT
+    # when done: start it first, or that child would begin with SIGINT unblocked
     resource_tracker.ensure_running()
     held = _HeldCtrlC.install()
     old = signal.pthread_sigmask(signal.SIG_BLOCK, _SIGINT)

@@ -2,6 +2,7 @@
 exception sent back to the parent and its SharedModel slots detached on the way out."""
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import os
 import sys
@@ -20,10 +21,9 @@ def worker_main(rank: int, target, args, kwargs, namespace: str, conn) -> None:
         try:
             result = target(rank, *args, **kwargs)
         except SystemExit as e:
-            if e.code in (None, 0):
-                result = None
-            else:
+            if e.code not in (None, 0):
                 raise
+            result = None
         try:
             conn.send(("ok", result))
         except Exception as e:  # noqa: BLE001 - an unpicklable result
@@ -32,10 +32,8 @@ def worker_main(rank: int, target, args, kwargs, namespace: str, conn) -> None:
             code = 1
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises WorkerError
         code = 1
-        try:
+        with contextlib.suppress(Exception):
             conn.send(("error", type(e).__name__, str(e), traceback.format_exc()))
-        except Exception:  # noqa: BLE001
-            pass
     finally:
         close_all_clients()
         conn.close()
