@@ -114,7 +114,6 @@ def _signal(pid: int, sig: int) -> None:
 
 
 def _wait_all(pids, timeout: float) -> None:
-    """Wait until every pid has exited, or the timeout."""
     fds = pidfds(pids)
     try:
         wait_exit(fds, timeout)

@@ -129,6 +129,5 @@ class Reloads:
                 self._retired.remove(m)
         self._tell_janitor("gone", m.proc.pid)
         with contextlib.suppress(OSError, ValueError):
-            if not m.conn.closed:
-                m.conn.close()
+            m.conn.close()   # idempotent
             m.proc.close()

@@ -368,8 +368,7 @@ class Runtime(Supervision, Reloads, Workers):
                 m.proc.terminate()
                 _join_or_kill(m.proc, 2)
         for m in procs:
-            if not m.conn.closed:
-                m.conn.close()
+            m.conn.close()   # idempotent
             m.proc.close()
         for proc in self.worker_procs.values():
             proc.close()

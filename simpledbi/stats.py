@@ -19,10 +19,9 @@ def batch_records(ctl, since: Optional[float] = None) -> np.ndarray:
     out = []
     for inst in range(ctl.rows):
         head = int(ctl.counters["ring_head"][inst])
-        n = min(head, RING)
-        if n == 0:
-            continue
-        out.append(ctl.ring[inst, :n] if head <= RING else np.roll(ctl.ring[inst], -(head % RING), axis=0))
+        if head:
+            out.append(ctl.ring[inst, :head] if head <= RING
+                       else np.roll(ctl.ring[inst], -(head % RING), axis=0))
     if not out:
         return np.zeros((0, len(B_FIELDS)))
     recs = np.concatenate(out)   # a copy: the ring goes on
