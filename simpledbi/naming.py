@@ -36,15 +36,12 @@ last logout while a nohup'ed runtime runs on. ``sdbi_u<uid>`` depends on the uid
 fallback also on the host (a home shared over NFS serves several, and a pid means something
 only on its host).
 
-A directory counts (``_why_not_private``) when ``lstat`` (never following a symlink, never opening
-a FIFO) says it is a directory of our uid with no group or other bits, in a parent of ours or
-root's that is sticky if others can write it (else they could rename ours away and block the
-name). What we create is ``fchmod``-ed to 0700 after ``mkdir``: a default ACL must not open it to
-others, nor a umask of 07xx close it to us.
-
-Clients trust a registration only when it is a regular file of their own user. One whose pid is
-gone is stale: the next runtime of that name replaces it, ``sweep_dead_registrations`` removes it.
-Only the runtime that wrote it (or its janitor) removes a live one."""
+A directory counts (``_why_not_private``) when it is ours alone, in a parent that others, if they
+can write it, cannot rename it out of (sticky); what we create is ``fchmod``-ed to 0700 after
+``mkdir`` (a default ACL must not open it to others, nor a umask of 07xx close it to us). Clients
+trust a registration only when it is a regular file of their own user. One whose pid is gone is
+stale: the next runtime of that name replaces it, ``sweep_dead_registrations`` removes it; only
+the runtime that wrote it (or its janitor) removes a live one."""
 from __future__ import annotations
 
 import contextlib
