@@ -1,20 +1,18 @@
 """The two synchronisation words of a client slot, in shared memory a client can scribble on
 (NOTE [slot protocol] in slots.py): nothing here may crash or hang a process other than the
-scribbler, whatever the words hold.
+scribbler, whatever the words hold. Words are 4 bytes at 4-aligned offsets of a sealed memfd's
+mapping (it outlives every call on it); posix_ipc has no futexes, so these go through ctypes.
 
 * The **ticket** (a request's claim token) is a glibc spinlock word used only through
   ``pthread_spin_trylock`` (one atomic compare-and-swap: of a client taking its request back and
   any number of model processes, exactly one wins) and ``pthread_spin_unlock`` (one atomic store:
-  offer the request). Neither reads anything but the word nor enters the kernel, and a garbage
-  value is simply "not offered". (glibc's ``sem_post`` was no option: it passes a field a client
-  can overwrite into the futex call's operation, and aborts the process on the error that follows.)
-* The **done** word: a model process stores the answered request's seq into it and wakes sleepers
-  with a ``FUTEX_WAKE`` whose operation is ours, not read from memory; a client sleeps with
-  ``FUTEX_WAIT_BITSET`` on the value it last saw, with a deadline on the monotonic clock. A store
-  between the client's look and its sleep makes the sleep return at once: no wake-up is lost.
-
-Words are 4 bytes at 4-aligned offsets of a mapping that outlives every call made on it (a sealed
-memfd: it cannot shrink). posix_ipc has no futexes, so these go through ctypes."""
+  offer the request): neither reads anything but the word nor enters the kernel, and garbage is
+  "not offered". (glibc's ``sem_post`` passes a field a client can overwrite into the futex call's
+  operation, and aborts the process on the error that follows.)
+* The **done** word: a model process stores the answered request's seq and wakes sleepers with a
+  ``FUTEX_WAKE`` whose operation is ours, not read from memory; a client sleeps with
+  ``FUTEX_WAIT_BITSET`` on the value it last saw, with a monotonic deadline. A store between its
+  look and its sleep makes the sleep return at once: no wake-up is lost."""
 from __future__ import annotations
 
 import ctypes

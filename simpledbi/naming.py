@@ -197,8 +197,7 @@ def _claim(path: str) -> Optional[str]:
 
 
 def _mkdir_private(path: str) -> Optional[str]:
-    """mkdir ``path`` and chmod it 700 (umask, default ACL); None if made or already there, else
-    why not."""
+    """mkdir ``path`` and chmod it 700 (umask, default ACL); None if made or there, else why not."""
     try:
         os.mkdir(path, 0o700)
     except FileExistsError:
@@ -210,10 +209,9 @@ def _mkdir_private(path: str) -> Optional[str]:
     except OSError:
         return None   # not a directory (any more): _why_not_private says so
     try:
-        if os.fstat(fd).st_uid == os.getuid():   # root may chmod anyone's: only ours
-            os.fchmod(fd, 0o700)
-    except OSError:
-        pass
+        with contextlib.suppress(OSError):
+            if os.fstat(fd).st_uid == os.getuid():   # root may chmod anyone's: only ours
+                os.fchmod(fd, 0o700)
     finally:
         os.close(fd)
 
