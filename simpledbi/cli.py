@@ -65,8 +65,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--model-num", type=int, help="model processes per model")
     s.add_argument("--wait-time", type=float, help="upper bound (s) on a request's wait for others")
     s.add_argument("--latency-target", type=float, help="seconds of p99 latency to keep under")
-    s.add_argument("--device", help="cpu, cuda, cuda:N or auto (a comma-separated list spreads "
-                   "instances)")
+    s.add_argument("--device", help="cpu, cuda, cuda:N or auto (a comma-separated list spreads instances)")
     s.add_argument("--batching", choices=("adaptive", "fixed"))
     s.add_argument("--precision", choices=("float32", "float16", "bfloat16"))
     s.add_argument("--max-clients", type=int)

@@ -25,18 +25,16 @@ def janitor_main(namespace: str, conn, grace: float, main_pid: int, forked_end=N
     """``forked_end``: under the fork start method, the fd of the main process's end of the pipe,
     which this process inherited (closed at once: the main process's exit must be seen)."""
     child_signals()
-    # A signal to the whole process group -- a notebook kernel's shutdown or restart, systemd,
-    # ``kill -TERM -PGID`` -- ends the main process without its clean-up: the janitor is what is
-    # left to do it, so it outlives such signals (it exits once the main process is gone).
+    # A signal to the whole process group (a notebook kernel's shutdown or restart, systemd, ``kill
+    # -TERM -PGID``) ends the main process without its clean-up: the janitor outlives it to do that.
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):   # (SIGQUIT: Ctrl-backslash)
         signal.signal(sig, signal.SIG_IGN)
     if forked_end is not None:
         with contextlib.suppress(OSError):
             os.close(forked_end)
-    # The pipe's end-of-file alone does not say the main process is gone: every process forked
-    # from it after the pipe was made (model processes and workers under fork, the user's own
-    # os.fork() children) holds its end too. A pidfd of the main process turns readable when it
-    # exits, whoever holds what. (Pinned at once, while the main process starts its models.)
+    # The pipe's end-of-file alone does not say the main process is gone: every process forked from
+    # it since (model processes and workers under fork, the user's os.fork() children) holds its end
+    # too. Its pidfd turns readable when it exits, whoever holds what (pinned now, as it starts).
     try:
         main, gone = [os.pidfd_open(main_pid)], False
     except ProcessLookupError:   # it died already

@@ -150,8 +150,7 @@ def _env_dir() -> Optional[str]:
 
 def _env_error(path: str, why: str) -> ValueError:
     return ValueError(f"${ENV_DIR}: expected a directory of this user (uid {os.getuid()}), not a "
-                      f"symlink, with no group or other permissions (chmod 700), got {path} that "
-                      f"{why}")
+                      f"symlink, with no group or other permissions (chmod 700), got {path} that {why}")
 
 
 def _why_not_private(path: str) -> Optional[str]:

@@ -31,8 +31,8 @@ from .interrupts import children_deaf_to_ctrl_c
 from .janitor import janitor_main
 from .logs import LogRelay
 from .intake import answer_queued
-from .layout import (BROKEN, DRAINING, INST_LOADING, INST_RESTARTING, RUNNING, ST_STOPPED, STOPPING, ControlBlock,
-                     socket_path)
+from .layout import (BROKEN, DRAINING, INST_LOADING, INST_RESTARTING, RUNNING, ST_STOPPED, STOPPING,
+                     ControlBlock, socket_path)
 from .model_process import ModelProcessSpec, model_process_main
 from .shm import InheritedFd, new_namespace, sweep_dead_namespaces, sweep_namespace
 from .reload import Reloads
@@ -127,8 +127,7 @@ class Runtime(Supervision, Reloads, Workers):
                 sock.bind(socket_path(self.namespace, cfg.name))
                 # clients check they connect to this very socket (not one bound at its path since)
                 self.ctls[cfg.name].hdr["sock_ino"] = os.stat(socket_path(self.namespace, cfg.name)).st_ino
-                # Every datagram says which process sent it: the kernel's word (intake.py)
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)   # datagrams name their sender
             self._cpu_procs = sum(m.model_num for m in self.models
                                   if any(d in ("cpu", "auto") for d in m.device))
             for cfg in self.models:

@@ -262,7 +262,6 @@ def _entries(fd: int, deadline: float) -> list:
 
 
 def sweep_namespace(namespace: str) -> int:
-    """Remove the namespace's directory; returns 1 if there was one, else 0."""
     path = os.path.join(SHM_DIR, namespace)
     if not os.path.lexists(path):
         return 0

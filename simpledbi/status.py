@@ -154,8 +154,7 @@ def _only_runtime() -> str:
     if not regs:
         raise LookupError("no named simpledbi runtime is running (start one with `simpledbi serve "
                           "--name NAME ...`)")
-    raise LookupError(f"several simpledbi runtimes are running ({', '.join(r.name for r in regs)}): "
-                      f"name one")
+    raise LookupError(f"several simpledbi runtimes are running ({', '.join(r.name for r in regs)}): name one")
 
 
 def _model_info(name: str, ctl: ControlBlock) -> ModelInfo:
