@@ -87,7 +87,6 @@ def check_name(name: str) -> str:
 
 
 # ------------------------------------------------------------ the registry directory
-
 def registry_dir() -> str:
     """The directory this user's runtimes register in, made if missing (NOTE [registry
     directory]). ValueError for a bad ``$SIMPLEDBI_DIR``; PermissionError when no place works."""
@@ -229,7 +228,6 @@ def _claim_home(path: str) -> Optional[str]:
 
 
 # ------------------------------------------------------------ registrations
-
 def registration_path(name: str) -> str:
     """Where this process would register ``name``: in ``registry_dir()`` (made if missing)."""
     check_name(name)
