@@ -2,19 +2,18 @@
 
 NOTE [Ctrl-C and children]
 --------------------------
-Ctrl-C sends SIGINT to the whole foreground process group. A spawned child spends its first second or
-two unpickling its arguments (importing the user's main module and torch), where a SIGINT raised
+Ctrl-C sends SIGINT to the whole foreground process group. A spawned child spends its first second
+or two unpickling its arguments (importing the user's main module and torch), where a SIGINT raised
 KeyboardInterrupt and each child printed a traceback. A child's entry point runs only after those
-imports, so the main process starts each child with SIGINT blocked (the mask survives fork and exec),
-and the entry point ignores SIGINT before it unblocks it: the main process alone decides when children
-stop.
+imports, so the main process starts each child with SIGINT blocked (the mask survives fork and
+exec), and the entry point ignores SIGINT before it unblocks it: only the main process stops them.
 
-Blocking SIGINT in the starting thread does not hold a Ctrl-C back from Python: the kernel hands it to
-another thread, and CPython raises KeyboardInterrupt in the main thread at its next bytecode -- inside
-``Process.start()`` between spawning the child and writing its bootstrap data (the child dies printing
-"EOFError: Ran out of input"), or before the runtime recorded the child (shutdown then neither stops nor
-joins it). So while the block lasts the main thread's SIGINT handler only takes note, and the Ctrl-C is
-raised when it ends; callers record the child inside the block."""
+Blocking SIGINT in the starting thread does not hold a Ctrl-C back from Python: the kernel hands it
+to another thread, and CPython raises KeyboardInterrupt in the main thread at its next bytecode --
+inside ``Process.start()`` between spawning the child and writing its bootstrap data (the child
+dies printing "EOFError: Ran out of input"), or before the runtime recorded the child (shutdown
+then neither stops nor joins it). So while the block lasts the main thread's SIGINT handler only
+takes note, and the Ctrl-C is raised when it ends; callers record the child inside the block."""
 from __future__ import annotations
 
 import contextlib
