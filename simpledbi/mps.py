@@ -9,11 +9,9 @@ runtime starts one *private* control daemon, so it never depends on or disturbs 
       PrivateDaemon.create()  /tmp/sdbi_mps_<pid>_XXXX/{pipe,log}, mode 0700
       adopt(daemon) ----------------------------------->  ("mps", directory, control)
       `nvidia-cuda-mps-control -d`, then `get_server_list` until it answers
-      model processes get CUDA_MPS_{PIPE,LOG}_DIRECTORY (ModelProcessSpec.env); the parent's
-      os.environ is never changed
+      model processes get CUDA_MPS_{PIPE,LOG}_DIRECTORY (ModelProcessSpec.env), never os.environ
     Runtime.shutdown, after the model processes exit      ... after it killed them
-      PrivateDaemon.stop: `quit`; what of it is still alive after the timeout is SIGKILLed;
-      the directory is removed
+      PrivateDaemon.stop: `quit`, SIGKILL what is alive after the timeout, remove the directory
 
 NOTE [finding our daemon]: ``-d`` daemonizes, so we never hold its pid. Our processes are found by
 scanning /proc for a process named ``nvidia-cuda-mps*`` (the control daemon and the servers it
