@@ -24,7 +24,6 @@ from . import naming, sources
 from .config import ModelConfig, RuntimeOptions
 from .control import ControlServer
 from .errors import SimpleDBIError
-from .sources import import_factory
 
 logger = logging.getLogger("simpledbi.serve")
 
@@ -164,12 +163,11 @@ def load_serve_config(args: argparse.Namespace) -> ServeConfig:
                              else doc.get("drain_timeout", 30.0)))
 
 
-def _model_config(entry: Dict[str, Any]) -> ModelConfig:
-    entry = dict(entry)
+def _model_config(entry: Dict[str, Any]) -> ModelConfig:   # entry: a fresh dict, changed here
     if isinstance(entry.get("path"), str) and not os.path.isfile(entry["path"]):
         raise ValueError(f"model {entry.get('name')!r}: no model file at {entry['path']!r}")
     if isinstance(entry.get("factory"), str):
-        entry["factory"] = import_factory(entry["factory"])
+        entry["factory"] = sources.import_factory(entry["factory"])
     unknown = set(entry) - {f.name for f in dataclasses.fields(ModelConfig)}
     if unknown:
         raise ValueError(f"model {entry.get('name')!r}: unknown settings {sorted(unknown)}; "
