@@ -1,8 +1,6 @@
 """The ``simpledbi`` command (also ``python -m simpledbi``): ``serve``, ``status``, ``reload``
-(README: "Any model, any web framework"; ``--help`` lists the flags).
-
-``serve --config`` reads a TOML file holding what the flags hold (the flags win): ``name``,
-``metrics_port``, ``metrics_addr``, ``drain_timeout``, ``[options]`` (RuntimeOptions fields) and
+(README: "Any model, any web framework"; ``--help`` lists the flags). ``serve --config`` reads a
+TOML file holding what the flags hold (the flags win): ``[options]`` (RuntimeOptions fields),
 ``[[models]]`` (ModelConfig fields; ``factory = "module:function"`` instead of ``path``), as in
 ``examples/fastapi_app/serve.toml``."""
 from __future__ import annotations

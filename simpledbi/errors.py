@@ -1,9 +1,7 @@
-"""The exceptions a caller of simpledbi can see.
-
-Everything derives from :class:`SimpleDBIError` so an application can catch the whole family.
-Errors that happen in another process (a model's forward pass) are re-raised in the caller as a
-fresh exception object whose ``__cause__`` carries the remote traceback text, the way CPython's
-``concurrent.futures.process`` does it."""
+"""The exceptions a caller of simpledbi can see, all :class:`SimpleDBIError` (an application can
+catch the whole family). An error in another process (a model's forward pass) is re-raised in the
+caller as a fresh exception whose ``__cause__`` carries the remote traceback text, the way
+CPython's ``concurrent.futures.process`` does it."""
 from __future__ import annotations
 
 __all__ = ["SimpleDBIError", "ModelError", "ModelProcessDied", "RuntimeStopped", "WorkerError",

@@ -1,12 +1,9 @@
-"""A tiny watchdog process that cleans up if the main process dies without doing it itself.
-
-The main process (``Run``) holds one end of a pipe; the janitor blocks reading the other, and
-on a pidfd of the main process. Normal shutdown sends ``("done",)``. If the main process is
-SIGKILLed the read returns EOF, or the pidfd turns readable: the janitor then stops the workers
-(SIGTERM), gives model processes ``grace`` seconds to notice the orphaning and exit cleanly (a
-CUDA MPS client should not be killed mid-kernel), kills what is left, then stops the run's
-private MPS daemon (once its clients are gone) and removes the run's namespace directory. Same
-idea as CPython's ``resource_tracker``, scoped to one run."""
+"""A tiny watchdog process that cleans up if the main process dies without doing it itself (like
+CPython's ``resource_tracker``, scoped to one run). It blocks on a pipe from the main process and
+on its pidfd; normal shutdown sends ``("done",)``. If the main process dies (EOF, or the pidfd
+turns readable) it stops the workers (SIGTERM), gives model processes ``grace`` seconds to notice
+and exit cleanly (a CUDA MPS client should not be killed mid-kernel), kills what is left, then
+stops the private MPS daemon (once its clients are gone) and removes the namespace directory."""
 from __future__ import annotations
 
 import contextlib

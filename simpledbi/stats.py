@@ -1,7 +1,5 @@
-"""Reading the runtime's own counters out of a model's control block.
-
-Model processes write per-instance counters and a ring of per-batch records (layout.B_FIELDS);
-this module turns them into the figures ``SharedModel.stats()`` and ``benchmark.py`` report."""
+"""The runtime's own counters, read out of a model's control block: the per-instance counters and
+per-batch records (layout.B_FIELDS) model processes write, as ``SharedModel.stats()`` reports them."""
 from __future__ import annotations
 
 from typing import Optional
