@@ -32,9 +32,15 @@ import math
 from dataclasses import dataclass
 from typing import Dict, List, NamedTuple, Optional, Tuple
 
-
 #: Waits shorter than this are not worth a sleep (the sleep costs about as much).
 MIN_WAIT = 20e-6
+#: How many turnarounds after the newest arrival a batch still waits for clients that may send.
+#: 2, 4 and 8 measured the same on the 8-worker command (docs/BENCHMARKS.md, run 16).
+_TURNAROUND_FACTOR = 2.0
+#: With a latency target, a batch closes once waiting longer would leave less than this many
+#: times its estimated compute time before the oldest request's target: the estimate is an
+#: average, and a batch 25% slower than it must still land within the target.
+_COST_MARGIN = 1.25
 
 
 @dataclass(frozen=True)
@@ -58,14 +64,6 @@ class Snapshot(NamedTuple):
     device_busy: bool = False   # the previous batch is still running on the device
     newest: float = 0.0  # publish time of its newest request (0: same as oldest)
 
-
-#: How many turnarounds after the newest arrival a batch still waits for clients that may send.
-#: 2, 4 and 8 measured the same on the 8-worker command (docs/BENCHMARKS.md, run 16).
-_TURNAROUND_FACTOR = 2.0
-#: With a latency target, a batch closes once waiting longer would leave less than this many
-#: times its estimated compute time before the oldest request's target: the estimate is an
-#: average, and a batch 25% slower than it must still land within the target.
-_COST_MARGIN = 1.25
 
 def decide(s: Snapshot, now: float, cost: Optional[Tuple[float, float]], rate: float,
            p: Policy, limit: Optional[int] = None, turnaround: Optional[float] = None) -> Tuple[bool, float]:

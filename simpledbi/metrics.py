@@ -24,6 +24,26 @@ __all__ = ["RuntimeCollector", "start_metrics_server"]
 _EXPORT_BOUNDS = LAT_BOUNDS[::2]
 _BATCH_BOUNDS = (1, 2, 4, 8, 16, 32, 64, 128)
 assert _BATCH_BOUNDS[-1] == BATCH_HIST_MAX   # key 0 counts the larger batches: only in +Inf
+_C, _G, _H = CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+_FAMILIES = (   # key, kind, name, help, labels after "model" -- exported in this order
+    ("ok", _C, "simpledbi_request_success", "Requests answered with a result", ()),
+    ("fail", _C, "simpledbi_request_failure", "Requests that failed", ("reason",)),
+    ("rows", _C, "simpledbi_inference_count", "Rows computed", ()),
+    ("batches", _C, "simpledbi_batch", "Forward passes (batches)", ()),
+    ("over", _C, "simpledbi_over_target", "Answers later than the model's latency_target", ()),
+    ("rejected", _C, "simpledbi_rejected", "Requests refused with Overloaded (never run), by reason",
+     ("reason",)),
+    ("size", _H, "simpledbi_batch_size", "Rows per batch", ()),
+    ("latency", _H, "simpledbi_request_duration_seconds", "Per request: publish to answer", ()),
+    ("queue", _H, "simpledbi_queue_duration_seconds", "Per request: publish to the start of its batch",
+     ()),
+    ("compute", _H, "simpledbi_compute_duration_seconds", "Per batch: start to answered", ()),
+    ("queued", _G, "simpledbi_queued_requests", "Requests waiting for an answer", ()),
+    ("clients", _G, "simpledbi_attached_clients", "Client slots attached", ()),
+    ("ready", _G, "simpledbi_model_ready", "1 while the model serves", ()),
+    ("up", _G, "simpledbi_instance_up", "1 while a model process is ready", ("instance", "device")),
+    ("restarts", _C, "simpledbi_instance_restarts", "Restarts of a model process", ("instance",)),
+)
 
 
 class RuntimeCollector:
@@ -63,28 +83,6 @@ class RuntimeCollector:
                 fam["up"].add_metric(n + [str(i.index), i.device], 1 if up else 0)
                 fam["restarts"].add_metric(n + [str(i.index)], i.restarts)
         yield from fam.values()
-
-
-_C, _G, _H = CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
-_FAMILIES = (   # key, kind, name, help, labels after "model" -- exported in this order
-    ("ok", _C, "simpledbi_request_success", "Requests answered with a result", ()),
-    ("fail", _C, "simpledbi_request_failure", "Requests that failed", ("reason",)),
-    ("rows", _C, "simpledbi_inference_count", "Rows computed", ()),
-    ("batches", _C, "simpledbi_batch", "Forward passes (batches)", ()),
-    ("over", _C, "simpledbi_over_target", "Answers later than the model's latency_target", ()),
-    ("rejected", _C, "simpledbi_rejected", "Requests refused with Overloaded (never run), by reason",
-     ("reason",)),
-    ("size", _H, "simpledbi_batch_size", "Rows per batch", ()),
-    ("latency", _H, "simpledbi_request_duration_seconds", "Per request: publish to answer", ()),
-    ("queue", _H, "simpledbi_queue_duration_seconds", "Per request: publish to the start of its batch",
-     ()),
-    ("compute", _H, "simpledbi_compute_duration_seconds", "Per batch: start to answered", ()),
-    ("queued", _G, "simpledbi_queued_requests", "Requests waiting for an answer", ()),
-    ("clients", _G, "simpledbi_attached_clients", "Client slots attached", ()),
-    ("ready", _G, "simpledbi_model_ready", "1 while the model serves", ()),
-    ("up", _G, "simpledbi_instance_up", "1 while a model process is ready", ("instance", "device")),
-    ("restarts", _C, "simpledbi_instance_restarts", "Restarts of a model process", ("instance",)),
-)
 
 
 def _latency_buckets(h: Histogram):

@@ -33,6 +33,8 @@ logger = logging.getLogger(__name__)
 SHM_DIR = "/dev/shm"
 PREFIX = "sdbi_"
 _NS_RE = re.compile(r"^sdbi_(\d+)_[0-9a-f]+$")
+SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL
+_O_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 def new_namespace() -> str:
@@ -49,9 +51,6 @@ def new_namespace() -> str:
 
 def ns_path(namespace: str, name: str) -> str:
     return os.path.join(SHM_DIR, namespace, name)
-
-
-SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL
 
 
 class Segment:
@@ -167,9 +166,6 @@ def check_sealed(fd: int, what: str) -> int:
     if size <= 0:
         raise OSError(errno.EINVAL, f"{what} is empty")
     return size
-
-
-_O_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 def remove_tree(path: str, budget: float = 5.0) -> None:
