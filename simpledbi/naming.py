@@ -269,9 +269,7 @@ def _read(name: str, directory: str) -> Optional[Registration]:
                            float(d["started"]))
     except (ValueError, KeyError, TypeError):
         return None  # being written, or not ours to read
-    if not reg.namespace.startswith("sdbi_") or "/" in reg.namespace:
-        return None
-    return reg
+    return reg if reg.namespace.startswith("sdbi_") and "/" not in reg.namespace else None
 
 
 def _live(reg: Registration) -> bool:
