@@ -15,6 +15,7 @@ from .slots import Request
 _QUEUED = INSTANCE.fields["queued"][1] // 8
 _STATE = INSTANCE.fields["state"][1] // 8
 _NEWCOMER = INSTANCE.fields["newcomer_wait"][1] // 8
+_LOWEST = INSTANCE.fields["lowest"][1] // 8
 _ROW_WORDS = INSTANCE.itemsize // 8
 
 
@@ -39,6 +40,12 @@ class Admission:
         self._published = -1   # the queued count last written (-1: none yet)
         self.in_progress = 0   # rows in batches collected or running, not answered: they go first
         self.room = 0          # requests of the backlog the batch being collected will take
+
+    @property
+    def refuses_early(self) -> bool:
+        """Callers send deadlines, or the queue is bounded: take requests off the socket while
+        a batch runs, so that the ones refused are refused at once (Holding._await_device)."""
+        return self.deadlines_seen or self.limits.max_queue is not None
 
     def takes_more(self, limit: int) -> bool:
         """Take requests off the socket beyond the next batch and one more (``limit`` rows)? When,
@@ -130,14 +137,16 @@ class Admission:
         self._count("shed_" + why.reason, len(requests))
 
     def publish(self) -> None:
-        """My row of the control block: requests waiting here, and a newcomer's expected wait
-        (not rewritten while nothing waits and nothing did: the common case costs a compare)."""
+        """My row of the control block: requests waiting here, the lowest priority among them
+        and a newcomer's expected wait (not rewritten while nothing waits and nothing did: the
+        common case costs a compare). Written before ``queued``, which clients look at first."""
         queued = max(len(self.backlog) - self.room, 0)
         if queued or self._published:
-            self._all[self._mine + _QUEUED] = self._published = queued
+            self._all[self._mine + _LOWEST] = self.backlog.lowest_priority
             over = self.arrivals.above(0, time.monotonic()) if self.priorities_seen else 0.0
             self._floats[self._mine + _NEWCOMER] = self.rate.wait(
                 self.in_progress + self.backlog.rows_ahead(-1, 0, 1), over)
+            self._all[self._mine + _QUEUED] = self._published = queued
 
     def close(self) -> None:
         self._all[self._mine + _QUEUED] = 0

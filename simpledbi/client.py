@@ -357,15 +357,23 @@ class SharedModel(Inputs):
               names: int, positions: Optional[Tuple[int, ...]]):
         if h.ctl.state >= STOPPING:
             self._raise_runtime_state(h)
-        if deadline is not None and slot.priority <= 0:
-            wait = h.ctl.newcomer_wait()   # every serving process has requests waiting
-            if wait is not None and time.monotonic() + wait > deadline:
-                with h.lock:        # counted by the model process that takes this handle's
-                    h.refused += 1  # next request
-                raise _overloaded(self.name, Refusal("deadline", wait), slot.call_timeout, slot.call_start)
-        if h.refused:   # this datagram reports the calls refused here, unsent
+        if deadline is not None and slot.priority <= 0 or h.max_queue is not None:
+            seen = h.ctl.backlog()   # (None: some serving process has nothing waiting)
+            if seen is not None:
+                waiting, wait, lowest = seen
+                why = None
+                if deadline is not None and slot.priority <= 0 and time.monotonic() + wait > deadline:
+                    why = Refusal("deadline", wait)   # (first: as a model process decides)
+                elif h.max_queue is not None and waiting >= h.max_queue and slot.priority <= lowest:
+                    why = Refusal("queue", wait)      # it would displace no one waiting
+                if why is not None:
+                    with h.lock:   # counted by the model process that takes this handle's next request
+                        h.refused[why.reason == "queue"] += 1
+                    raise _overloaded(self.name, why, slot.call_timeout, slot.call_start, h.max_queue, waiting)
+        if h.refused[0] or h.refused[1]:   # this datagram reports the calls refused here, unsent
             with h.lock:
-                slot.refused, h.refused = slot.refused + h.refused, 0
+                slot.refused = [a + b for a, b in zip(slot.refused, h.refused)]
+                h.refused = [0, 0]
         try:
             seq = slot.publish(arrays, names, positions, deadline or 0.0, slot.priority)
             sent = True
@@ -430,7 +438,7 @@ class SharedModel(Inputs):
         if status != ST_OK:
             if status == ST_STOPPED:   # the runtime stopped before computing it: it never ran
                 self._stopped(h, text or "runtime stopped")
-            raise _status_error(self.name, status, text, slot.call_timeout, slot.call_start)
+            raise _status_error(self.name, status, text, slot.call_timeout, slot.call_start, h.max_queue)
         outs = slot.outputs()
         out_names = slot.output_names() if structure >= OUT_DICT else b""
         self._latest = timing = slot.timing_tuple()
@@ -490,9 +498,10 @@ class SharedModel(Inputs):
         self._stopped(h, "the runtime is shutting down")
 
 
-def _overloaded(name: str, why: Refusal, timeout: Optional[float], t_call: float) -> Overloaded:
+def _overloaded(name: str, why: Refusal, timeout: Optional[float], t_call: float,
+                max_queue: Optional[int] = None, waiting: Optional[int] = None) -> Overloaded:
     """The ``Overloaded`` a refused call raises (refused by a model process, or by its client on
-    the wait the model's processes published: NOTE [overload])."""
+    what the model's processes published, ``waiting`` requests: NOTE [overload])."""
     wait = why.expected_wait + (time.monotonic() - t_call if t_call else 0.0)
     if why.reason == "deadline":
         expected = (f"about {wait * 1e3:.1f} ms" if wait != float("inf") else
@@ -502,8 +511,11 @@ def _overloaded(name: str, why: Refusal, timeout: Optional[float], t_call: float
                    + "; the request was refused without running (retry later, or allow a longer "
                    "timeout)")
     else:
-        message = (f"model {name!r} is overloaded: ModelConfig.max_queue requests are waiting; this "
-                   f"request was refused without running")
+        limit = "" if max_queue is None else f" ({max_queue})"
+        message = (f"model {name!r} is overloaded: "
+                   + (f"{waiting} requests are waiting, ModelConfig.max_queue is {max_queue}"
+                      if waiting is not None else f"ModelConfig.max_queue{limit} requests are waiting")
+                   + "; this request was refused without running (retry later)")
     return Overloaded(message, why.reason, wait, timeout)
 
 
@@ -512,10 +524,10 @@ def _running_runtimes() -> List[str]:
 
 
 def _status_error(name: str, status: int, text: str, timeout: Optional[float] = None,
-                  t_call: float = 0.0) -> Exception:
+                  t_call: float = 0.0, max_queue: Optional[int] = None) -> Exception:
     """The exception a call raises for the response ``status`` (not ST_OK) and its ``text``."""
     if status == ST_OVERLOADED:
-        return _overloaded(name, Refusal.parse(text), timeout, t_call)
+        return _overloaded(name, Refusal.parse(text), timeout, t_call, max_queue)
     if status in (ST_MODEL_ERROR, ST_INTERNAL):
         type_name, _, rest = text.partition("\n")
         message, _, tb = rest.partition("\n")
@@ -614,7 +626,8 @@ class _Handles:
         self._send_fd = not _dumpable()
         self._sndtimeo = -1.0
         self.default_timeout = ctl.default_timeout   # ModelConfig.default_timeout, or None
-        self.refused = 0   # calls refused here (NOTE [overload]) not reported to the model yet
+        self.max_queue = ctl.max_queue               # ModelConfig.max_queue, or None
+        self.refused = [0, 0]   # calls refused here (deadline, queue: NOTE [overload]), not reported yet
 
     @classmethod
     def open(cls, namespace: str, name: str) -> "_Handles":
@@ -717,7 +730,7 @@ class _Handles:
         self.pid = os.getpid()
         self.lock = threading.Lock()
         self.idle, self.stale, self.busy, self.creating = [], [], set(), 0
-        self.refused = 0   # the parent reports its own
+        self.refused = [0, 0]   # the parent reports its own
 
     def release(self) -> None:
         """Detach idle slots now, busy ones when their call ends (woken with RuntimeStopped)."""

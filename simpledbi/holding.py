@@ -47,17 +47,17 @@ class Holding:
     """The batch-filling half of ModelServer (the module docstring says what it covers)."""
 
     def _await_device(self, flight) -> None:
-        """With callers that set deadlines: while the device finishes ``flight``, keep taking
-        requests off the socket, so that one that cannot make its deadline is refused at once
+        """With callers that set deadlines (or max_queue set): while the device finishes
+        ``flight``, keep taking requests off the socket, so that one refused is refused at once
         (NOTE [overload]), not after this batch -- as far ahead as Admission.takes_more says.
         Otherwise the wait is the engine's (a blocking synchronize)."""
         launched = flight.launched
         if launched is None or flight.error is not None or not launched.started or \
-                not self.admission.deadlines_seen:
+                not self.admission.refuses_early:
             return
         intake, backlog, admission = self.intake, self.backlog, self.admission
-        while not launched.ready() and not intake.full and (backlog.rows < self.max_batch or
-                                                           admission.takes_more(self.max_batch)):
+        while not launched.ready() and not intake.full and not self._peer_free() and (
+                backlog.rows < self.max_batch or admission.takes_more(self.max_batch)):
             got = intake.next(_BUSY_POLL, precise=True)
             if isinstance(got, Request) and self._took(got):
                 self.backlog.add(got)
@@ -76,7 +76,9 @@ class Holding:
         try:
             intake, watch = self.intake, [self.intake.sock, self._done_r]
             while True:   # until the helper's byte: exactly one per job, always read
-                ready = select.select(watch if not intake.full else watch[1:], (), (), self.poll)[0]
+                # (not while a peer is idle: it takes newcomers at once, and need not refuse them)
+                take = not intake.full and not self._peer_free()
+                ready = select.select(watch if take else watch[1:], (), (), self.poll)[0]
                 if self._done_r in ready:
                     os.read(self._done_r, 1)
                     byte_read = True

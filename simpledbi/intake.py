@@ -35,7 +35,6 @@ _INST_PID, _INST_HELD, _INST_CLIENTS = (INSTANCE.fields[n][1] // 8 for n in ("pi
 _INST_WORDS = INSTANCE.itemsize // 8
 WAKE = object()                   # what next() returns for the runtime's wake-up datagram
 _MAX_PRIORITY = 1000              # SharedModel's bound on priority (a scribbled one is clamped)
-_MAX_REFUSED = 1 << 20            # a scribbled count of a client's own refusals is bounded
 #: Precise waits shorter than this use select(), whose timer is precise, rather than the socket's
 #: receive timeout, which the kernel rounds up to scheduler ticks (1-4 ms, and one more: measured
 #: 8 ms for any timeout under 4 ms on a 250 Hz kernel). Other waits keep the receive timeout: a
@@ -158,7 +157,10 @@ class Intake:
             if peer is None:
                 return None
         if refused > 0:   # calls its client refused itself since (NOTE [overload]): counted here
-            self.count("shed_deadline", min(refused, _MAX_REFUSED))
+            if refused & 0xFFFF:
+                self.count("shed_deadline", refused & 0xFFFF)
+            if refused >> 16:
+                self.count("shed_queue", refused >> 16)
         if not peer.claim(seq, self.row, self.pid):
             self.count("withdrawn")   # taken back before I got to it (or a datagram sent again)
             return None

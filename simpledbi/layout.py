@@ -33,7 +33,7 @@ import numpy as np
 from .shm import Segment, ns_path
 
 MAGIC = 0x31494244535F  # "_SDBI1"
-VERSION = 9
+VERSION = 10
 MAX_IO = 8          # inputs and outputs per request
 MAX_NAMES = 48      # input names a model declares: bits 0..47 of a request's ``flags``
 MAX_NDIM = 8        # dimensions of one item (an input or output row)
@@ -93,6 +93,7 @@ HEADER = np.dtype([
     ("held_cap", "<i8"),    # HELD rows per instance: the most requests a model process holds
     ("sock_ino", "<i8"),    # the inode of the model's request socket (clients check it)
     ("default_timeout", "<f8"),   # ModelConfig.default_timeout (0: none): clients apply it
+    ("max_queue", "<i8"),   # ModelConfig.max_queue (-1: none): clients refuse by it (NOTE [overload])
 ])
 # Instance rows come in two banks of model_num: a rolling reload starts the new processes in the
 # other bank (while the current ones serve), then switches ``bank`` and retires the old ones.
@@ -100,11 +101,11 @@ HEADER = np.dtype([
 # (batching counts who may still send from them; status shows them). ``queued``: requests held
 # and not in a batch yet (``max_queue`` counts them across the model's processes);
 # ``newcomer_wait``: seconds a new request of default priority from a client with nothing waiting
-# would wait here (NOTE [overload]; status shows it).
+# would wait here (NOTE [overload]; status shows it); ``lowest``: the lowest priority waiting.
 INSTANCE = np.dtype([
     ("pid", "<i8"), ("state", "<i8"), ("device", "<i8"), ("restarts", "<i8"), ("t_start", "<f8"),
     ("graphs", "<i8"), ("free", "<i8"), ("held", "<i8"), ("clients", "<i8"), ("queued", "<i8"),
-    ("newcomer_wait", "<f8"), ("reserved", "<i8", (5,)),
+    ("newcomer_wait", "<f8"), ("lowest", "<i8"), ("reserved", "<i8", (4,)),
 ])
 # One per request a model process holds (its own rows, HEADER.held_cap of them): whose request,
 # so that the supervisor can answer its caller at once if the process dies. ``pid`` 0 = unused;
@@ -161,7 +162,8 @@ def _parts(held: int, rows: int):
 _HDR_STATE = HEADER.fields["state"][1] // 8
 _HDR_BANK = HEADER.fields["bank"][1] // 8
 _I_ROW = INSTANCE.itemsize // 8
-_I_STATE, _I_QUEUED, _I_NEWCOMER = (INSTANCE.fields[n][1] // 8 for n in ("state", "queued", "newcomer_wait"))
+_I_STATE, _I_QUEUED, _I_NEWCOMER, _I_LOWEST = (INSTANCE.fields[n][1] // 8
+                                              for n in ("state", "queued", "newcomer_wait", "lowest"))
 
 
 def words(arr: np.ndarray, fmt: str = "q") -> memoryview:
@@ -198,7 +200,7 @@ class ControlBlock:
     @classmethod
     def create(cls, namespace: str, model: str, model_num: int, max_batch: int,
                wait_time: float, supervisor_pid: int, max_clients: int = 0,
-               default_timeout: Optional[float] = None) -> "ControlBlock":
+               default_timeout: Optional[float] = None, max_queue: Optional[int] = None) -> "ControlBlock":
         held = held_cap(max_batch)
         seg = Segment.create_memfd(f"sdbi-{model}.ctl", cls.size(held, model_num),
                                    link=ctl_path(namespace, model))
@@ -208,6 +210,7 @@ class ControlBlock:
         h["model_num"], h["max_batch"], h["wait_time"] = model_num, max_batch, wait_time
         h["supervisor_pid"] = supervisor_pid
         h["default_timeout"] = default_timeout or 0.0
+        h["max_queue"] = -1 if max_queue is None else max_queue
         h["magic"] = MAGIC  # last: attachers check it
         return ctl
 
@@ -238,6 +241,12 @@ class ControlBlock:
         """ModelConfig.default_timeout: the timeout of a call that gives none (None: none)."""
         value = float(self.hdr["default_timeout"])
         return value if value > 0 else None
+
+    @property
+    def max_queue(self) -> Optional[int]:
+        """ModelConfig.max_queue: requests that may wait across the model's processes (None: any)."""
+        value = int(self.hdr["max_queue"])
+        return value if value >= 0 else None
 
     @property
     def max_slots(self) -> int:
@@ -295,22 +304,26 @@ class ControlBlock:
         return (tuple(d["names"]), tuple(tuple(s) for s in d["shapes"] or ()),
                 tuple(d["dtypes"] or ()))
 
-    def newcomer_wait(self) -> Optional[float]:
-        """Seconds a new request of default priority would wait at the least busy serving model
-        process, as each last published it -- when every one of them has requests waiting (else
-        None: one of them starts it in its next batch). A call that cannot wait that long is
-        refused by its client, unsent (NOTE [overload])."""
+    def backlog(self) -> Optional[Tuple[int, float, int]]:
+        """What waits at the serving model processes, as each last published it, when every one
+        of them has requests waiting (else None: one of them starts a newcomer in its next
+        batch): (requests waiting in all, the least of their ``newcomer_wait``, the lowest
+        priority waiting anywhere). A call that would wait past its deadline, or beyond
+        ``max_queue``, is refused by its client, unsent (NOTE [overload])."""
         w, f, bank = self._inst_words, self._inst_floats, self._hdr_words[_HDR_BANK] & 1
-        best = None
+        waiting, best, lowest = 0, None, None
         for r in range(bank * self.model_num, (bank + 1) * self.model_num):
             b = r * _I_ROW
             if w[b + _I_STATE] != INST_READY:
                 continue
             if w[b + _I_QUEUED] <= 0:
                 return None
+            waiting += w[b + _I_QUEUED]
             if best is None or f[b + _I_NEWCOMER] < best:
                 best = f[b + _I_NEWCOMER]
-        return best
+            if lowest is None or w[b + _I_LOWEST] < lowest:
+                lowest = w[b + _I_LOWEST]
+        return None if best is None else (waiting, best, lowest)
 
     def close(self) -> None:
         for view in (self._hdr_words, self._inst_words, self._inst_floats):
@@ -366,8 +379,9 @@ WAKE_MAGIC = 0x5344_4257       # "SDBW": from the runtime itself: look at the mo
 FWD_MAGIC = 0x5344_4246
 FWD_PREFIX = struct.Struct("<Iiq")       # magic, 0, client pid
 # ``refused``: calls this slot's client refused itself since its previous datagram, without
-# sending them (every serving process published a wait past their deadline: NOTE [overload]);
-# the process that takes this datagram counts them.
+# sending them (every serving process published a wait past their deadline, or max_queue was
+# reached: NOTE [overload]) -- the low 16 bits for deadlines, the next 15 for the queue; the
+# process that takes this datagram counts them.
 REQ_PREFIX = struct.Struct("<IiQqqddii")  # magic, fd, token, seq, rows, t_publish, deadline,
 #                                           priority, refused
 LAYOUT_HEAD = struct.Struct("<qqq")      # out_offset, flags, n_in

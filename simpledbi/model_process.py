@@ -303,7 +303,7 @@ class ModelServer(Holding):
         self._inst_words[_I_FREE] = 1
         self.admission.room = self.max_batch   # what comes now starts a batch
         # ... and clients must know it: a backlog published earlier would have them refuse
-        # every call (ControlBlock.newcomer_wait) while this process sleeps a poll interval with
+        # every call (ControlBlock.backlog) while this process sleeps a poll interval with
         # nothing to do (measured: 8 threads retrying at once got 8 answers/s of a 40/s model)
         self.admission.publish()
         try:
@@ -482,7 +482,7 @@ class ModelServer(Holding):
         if flight.error is not None:
             return
         try:
-            if not self.engine.cuda and self.backlog and self.admission.deadlines_seen:
+            if not self.engine.cuda and self.backlog and self.admission.refuses_early:
                 self._compute_while_taking(flight.launched)
             else:
                 self.engine.start(flight.launched)

@@ -27,16 +27,17 @@ kernel's queue gets no turn and no refusal); with several processes and callers 
 deadlines, while its backlog is within a batch of its least loaded peer's; otherwise one batch
 ahead, since what one process takes the others cannot (Admission.takes_more; Intake.hand_back
 gives an idle peer what a busy one holds beyond its next batch). With callers that set
-deadlines it keeps taking them while the device runs a batch (a CPU model's forward pass then
-runs on a helper thread): with one model process most refusals come within a fraction of a
-millisecond of the call (with several, what waits in the socket's queue is refused only once
-taken: README, Known limits).
+deadlines, or ``max_queue`` set, it keeps taking them while the device runs a batch (a CPU
+model's forward pass then runs on a helper thread): with one model process most refusals come
+within a fraction of a millisecond of the call (with several, what waits in the socket's queue
+is refused only once taken: README, Known limits).
 
 **The client refuses first when it can.** Each model process publishes in its instance row how
-many requests wait there and how long a newcomer at default priority would wait
-(``newcomer_wait``, the same estimate as above). While every serving process has requests
-waiting, a call at priority <= 0 whose timeout is shorter than the least of those waits is
-refused by its client, never sent (ControlBlock.newcomer_wait): with several processes, a
+many requests wait there, their lowest priority and how long a newcomer at default priority
+would wait (``newcomer_wait``, the same estimate as above). While every serving process has
+requests waiting, a call at priority <= 0 whose timeout is shorter than the least of those
+waits, or one that finds ``max_queue`` waiting, none of them below its priority, is refused by
+its client, never sent (ControlBlock.backlog): with several processes, a
 request left in the kernel's queue -- or its client blocked sending to a full one -- would
 otherwise learn its fate only once a process took it. Its handle's next datagram carries the
 count, and the process that takes it adds them to ``rejected`` (stats, status, Prometheus). A
@@ -303,6 +304,11 @@ class Backlog:
         mine = self._client.get((priority, pid), (0, 0))[0]
         others = self._prio_clients.get(priority, 0) - (1 if mine else 0)
         return higher + mine + others * (mine + rows)
+
+    @property
+    def lowest_priority(self) -> int:
+        """The lowest priority waiting (0 when nothing waits)."""
+        return min(self._prio_rows, default=0)
 
     def clients(self) -> set:
         """The pids with a request waiting."""

@@ -120,7 +120,7 @@ class Runtime(Supervision, Reloads, Workers):
             for cfg in self.models:
                 self.ctls[cfg.name] = ControlBlock.create(
                     self.namespace, cfg.name, cfg.model_num, cfg.max_batch_size, cfg.wait_time,
-                    os.getpid(), cfg.max_clients, cfg.default_timeout)
+                    os.getpid(), cfg.max_clients, cfg.default_timeout, cfg.max_queue)
                 self._tell_janitor("ctl", cfg.name)   # it marks the model stopping if we die
                 sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
                 self.sockets[cfg.name] = sock

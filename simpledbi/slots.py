@@ -127,7 +127,7 @@ class ClientSlot:
         self._codes = [dtype_code(dt) for dt in dtypes]
         self._prefix = bytearray(REQ_PREFIX.size)
         REQ_PREFIX.pack_into(self._prefix, 0, REQ_MAGIC, self.seg.fd, self.token, 0, 0, 0.0, 0.0, 0, 0)
-        self.refused = 0   # calls refused here, not sent (the next datagram reports them)
+        self.refused = [0, 0]   # calls refused here, not sent: deadline, queue (the next datagram reports them)
         self._layouts: Dict[tuple, bytes] = {}   # (names, positions, item shapes) -> layout bytes
         self._anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [self.seg.fd]).tobytes())] \
             if send_fd else None
@@ -174,11 +174,15 @@ class ClientSlot:
                 parts.append(struct.pack(f"<{len(item)}q", *item))
             layout = self._layouts[key] = b"".join(parts)
         self.seq += 1
-        seq, now, refused = self.seq, time.monotonic(), min(self.refused, 2**31 - 1)
+        seq, now, r, refused = self.seq, time.monotonic(), self.refused, 0
+        if r[0] or r[1]:   # 16 bits each, as many as fit (layout: REQ_PREFIX); the rest go next time
+            d, q = min(r[0], 0xFFFF), min(r[1], 0x7FFF)
+            r[0] -= d
+            r[1] -= q
+            refused = d | q << 16
         _I64.pack_into(self.seg.buf, PUB_SEQ_OFF, seq)
         futex.offer(self._ticket)
         _SEQ_ROWS_T.pack_into(self._prefix, _SEQ_B, seq, arrays[0].shape[0], now, deadline, priority, refused)
-        self.refused -= refused
         self._msg = msg = bytes(self._prefix) + layout
         self.send(msg)
         return seq

@@ -324,6 +324,31 @@ def test_max_queue_refuses_only_what_would_wait(start_runtime):
 
 
 @pytest.mark.timeout(120)
+def test_the_client_refuses_at_once_what_would_wait_beyond_max_queue(start_runtime):
+    """max_queue with no deadlines: while the model process runs a batch it keeps taking
+    requests, so it publishes what waits; a newcomer that finds max_queue waiting is refused by
+    its own client, unsent, told how many wait -- and counted by the model all the same."""
+    rt = start_runtime(cpu_model("m", functools.partial(models.sleepy, 0.3), max_batch_size=1,
+                                 max_queue=2))
+    m = SharedModel("m", max_shape=(1, 4), namespace=rt.namespace)
+    calls = [_call_in_thread(m, X * 1)]   # A runs; B, C, D queue on the socket meanwhile
+    _wait_for(lambda: int(m.ctl.all_instances["held"][0]) == 1)
+    for k in range(2, 5):
+        calls.append(_call_in_thread(m, X * k))
+        wait_queued(m, n=k - 1)
+    # after A: B runs (on a helper thread, its process taking requests) and C, D wait
+    _wait_for(lambda: int(m.ctl.all_instances["queued"][0]) == 2)
+    with pytest.raises(Overloaded, match="2 requests are waiting, ModelConfig.max_queue is 2") as e:
+        m.forward(X * 9)
+    assert e.value.reason == "queue"
+    for k, (t, out) in enumerate(calls, start=1):
+        t.join(60)
+        np.testing.assert_array_equal(out["y"], X * k * 2 + 1)
+    m.forward(X)   # its datagram reports the refusal
+    assert m.stats()["rejected"] == {"deadline": 0, "queue": 1}
+
+
+@pytest.mark.timeout(120)
 def test_a_newcomer_that_cannot_make_its_deadline_displaces_no_one(start_runtime, gate):
     """With max_queue reached, a higher-priority newcomer whose timeout is shorter than a batch
     is refused for its deadline, and the request it outranks keeps its place."""
