@@ -10,6 +10,7 @@ calls ``pickle.loads(payload)()``. cloudpickle is the optional ``simpledbi[noteb
 anything starts, saying what to do."""
 from __future__ import annotations
 
+import ast
 import functools
 import importlib
 import importlib.util
@@ -73,6 +74,33 @@ def _main_file(main) -> Optional[str]:
     if not os.path.isabs(path) and multiprocessing.process.ORIGINAL_DIR is not None:
         path = os.path.join(multiprocessing.process.ORIGINAL_DIR, path)   # as spawn does
     return path if os.path.isfile(path) else None
+
+
+def unguarded_start(start_method: str) -> Optional[Tuple[str, int]]:
+    """(script, line) when the main script starts a runtime from a top-level statement that is
+    no ``if`` (``if __name__ == "__main__":``): under spawn and forkserver every child re-imports
+    the script and would run that line again -- multiprocessing then fails in each child with a
+    long traceback. None when the line is guarded, or there is no script."""
+    main = sys.modules.get("__main__")
+    path = _main_file(main) if start_method != "fork" and main is not None else None
+    name = getattr(getattr(main, "__spec__", None), "name", None) or ""
+    if name == "__main__" or name.endswith(".__main__"):
+        return None   # python -m package: multiprocessing leaves such a main alone
+    frame = sys._getframe(1)
+    while frame is not None and not (frame.f_globals is vars(main) and frame.f_code.co_name == "<module>"):
+        frame = frame.f_back
+    if path is None or frame is None:
+        return None
+    try:
+        with open(path, "rb") as f:
+            body = ast.parse(f.read()).body
+    except (OSError, SyntaxError, ValueError):
+        return None
+    line = frame.f_lineno
+    for node in body:
+        if node.lineno <= line <= (node.end_lineno or node.lineno):
+            return None if isinstance(node, (ast.If, getattr(ast, "Match", ast.If))) else (path, line)
+    return None
 
 
 def _where_main_is() -> str:

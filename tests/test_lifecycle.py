@@ -279,7 +279,10 @@ def test_a_script_without_the_main_guard_is_told_what_is_missing():
                           env=dict(os.environ, PYTHONPATH=ROOT))
     assert proc.returncode != 0
     last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith("simpledbi.errors.ModelProcessDied") and "guard" in last, proc.stderr[-3000:]
+    # said before any process starts: one traceback, not one per child re-running the script
+    assert last.startswith("RuntimeError: noguard.py, line 13, starts a simpledbi runtime outside "
+                           "`if __name__ == \"__main__\":`"), proc.stderr[-3000:]
+    assert proc.stderr.count("Traceback") == 1, proc.stderr[-3000:]
     assert "AssertionError" not in proc.stderr and "leaked" not in proc.stderr
 
 
