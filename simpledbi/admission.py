@@ -82,7 +82,7 @@ class Admission:
         # max_queue: only a request that would wait here counts -- one the batch being
         # collected has room for goes at once, whatever waits at the other processes
         if self.limits.max_queue is not None and len(self.backlog) >= self.room and \
-                queue_full(self.limits, self.waiting()):
+                queue_full(self.limits, self.waiting()) and not self._drop_abandoned():
             victim = self.backlog.lowest() if self.backlog else None
             if victim is None or victim.priority >= req.priority:
                 self.refuse([req], Refusal("queue"))
@@ -110,11 +110,8 @@ class Admission:
         answered after their caller's deadline -- past already (``expired``) or by the time this
         batch is answered (refused ``Overloaded``)."""
         gone = [r for r in batch if r.peer.abandoned(r.seq)]   # (read once: a caller may
-        if gone:   # abandon meanwhile; one whose caller timed out counts as expired, as below)
-            self._fail(gone, ST_EXPIRED, "its caller stopped waiting before its batch ran")
-            timed_out = sum(0.0 < r.deadline <= time.monotonic() for r in gone)
-            self._count("expired", timed_out)
-            self._count("withdrawn", len(gone) - timed_out)
+        if gone:                                                # abandon meanwhile)
+            self._answer_gone(gone)
             batch = self._without(batch, gone)
         if not self.deadlines_seen:
             return batch
@@ -125,6 +122,24 @@ class Admission:
         self._count("expired", len(expired))
         self.refuse(doomed, Refusal("deadline", self.rate.latency_bound))
         return self._without(batch, expired + doomed)
+
+    def _answer_gone(self, gone: List[Request]) -> None:
+        """Requests whose callers stopped waiting: answered, counted as expired (timed out) or
+        withdrawn (cancelled, closed)."""
+        self._fail(gone, ST_EXPIRED, "its caller stopped waiting before its batch ran")
+        timed_out = sum(0.0 < r.deadline <= time.monotonic() for r in gone)
+        self._count("expired", timed_out)
+        self._count("withdrawn", len(gone) - timed_out)
+
+    def _drop_abandoned(self) -> bool:
+        """At max_queue: the waiting requests whose callers stopped waiting hold no place (they
+        would be dropped at their batch's close anyway). True if dropping them made room."""
+        gone = [r for r in self.backlog.items if r.peer.abandoned(r.seq)]
+        for r in gone:
+            self.backlog.remove(r)
+        if gone:
+            self._answer_gone(gone)
+        return bool(gone) and not (len(self.backlog) >= self.room and queue_full(self.limits, self.waiting()))
 
     def _without(self, batch: List[Request], dropped: List[Request]) -> List[Request]:
         """``batch`` less ``dropped`` (answered already), whose rows are no longer in progress."""

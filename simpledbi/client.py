@@ -381,6 +381,7 @@ class SharedModel(Inputs):
             seq, sent = slot.seq, False
         except OSError as e:      # the socket is gone: the runtime stopped
             slot.withdraw()
+            slot.unsent()
             self._stopped(h, f"the runtime is gone ({e.strerror or e})")
         try:
             if not sent:
@@ -402,6 +403,7 @@ class SharedModel(Inputs):
             if deadline is not None:
                 wait = min(wait, deadline - time.monotonic())
                 if wait <= 0:
+                    slot.unsent()
                     self._on_timeout(slot, slot.seq, "the model's queue stayed full; the request was "
                                                      "not sent")
             h.set_send_timeout(wait)
@@ -412,6 +414,7 @@ class SharedModel(Inputs):
                 pass
             except OSError as e:
                 slot.withdraw()
+                slot.unsent()
                 self._stopped(h, f"the runtime is gone ({e.strerror or e})")
             self._check_runtime(h, slot)
 
@@ -450,8 +453,9 @@ class SharedModel(Inputs):
         if slot.withdraw():
             raise TimeoutError(f"model {self.name!r}: no result within the timeout ({unsent})")
         slot.abandon(seq)
-        raise TimeoutError(f"model {self.name!r}: no result within the timeout; the request is "
-                           f"being computed and its late result will be discarded")
+        raise TimeoutError(f"model {self.name!r}: no result within the timeout; a model process took "
+                           f"the request: if it is being computed, its late result will be discarded, "
+                           f"else it will not run")
 
     def _stopped(self, h: "_Handles", why: str, resend: bool = True):
         """``h``'s runtime is stopping or gone: attached by name, a request nobody took

@@ -70,6 +70,11 @@ from .layout import (
 from .shm import Segment, check_sealed, pid_alive
 
 _I64, _F64 = struct.Struct("<q"), struct.Struct("<d")
+#: A client's slot is mapped up to this size when first opened, and further only as far as a
+#: request reads (Intake): a client can grow its own memfd to terabytes, and mapping all of it
+#: took a model process's address space (80 such slots left no room to map a new client's).
+#: Most slots are smaller (a batch of 32 ResNet-50 images: 19 MiB), so they are mapped once.
+_FIRST_MAP = 64 << 20
 _memmove = __import__("ctypes").memmove
 _Q2 = struct.Struct("<QQ")
 _CLAIM = struct.Struct("<qqq")   # instance, pid, seq
@@ -128,6 +133,7 @@ class ClientSlot:
         self._prefix = bytearray(REQ_PREFIX.size)
         REQ_PREFIX.pack_into(self._prefix, 0, REQ_MAGIC, self.seg.fd, self.token, 0, 0, 0.0, 0.0, 0, 0)
         self.refused = [0, 0]   # calls refused here, not sent: deadline, queue (the next datagram reports them)
+        self._reported = 0      # ... and those the current request's datagram reports (layout: REQ_PREFIX)
         self._layouts: Dict[tuple, bytes] = {}   # (names, positions, item shapes) -> layout bytes
         self._anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [self.seg.fd]).tobytes())] \
             if send_fd else None
@@ -180,6 +186,7 @@ class ClientSlot:
             r[0] -= d
             r[1] -= q
             refused = d | q << 16
+        self._reported = refused
         _I64.pack_into(self.seg.buf, PUB_SEQ_OFF, seq)
         futex.offer(self._ticket)
         _SEQ_ROWS_T.pack_into(self._prefix, _SEQ_B, seq, arrays[0].shape[0], now, deadline, priority, refused)
@@ -196,6 +203,13 @@ class ClientSlot:
         else:
             self.sock.sendmsg([msg], self._anc, flags)
         self.sent_seq = self.seq
+
+    def unsent(self) -> None:
+        """The current request's datagram was never sent: the refusals it was to report go with
+        the next one."""
+        self.refused[0] += self._reported & 0xFFFF
+        self.refused[1] += self._reported >> 16
+        self._reported = 0
 
     def resend(self) -> None:
         """Send the current request's datagram again (its refusal count already reported)."""
@@ -399,7 +413,7 @@ class Peer:
     ``/proc/<pid>/fd/<fd>`` (or the descriptor the datagram carried), checked to be a memfd
     sealed against shrinking whose token is the datagram's."""
 
-    __slots__ = ("pid", "token", "fd_no", "passed", "seg", "base", "u8", "inflight", "answered_at",
+    __slots__ = ("pid", "token", "fd_no", "passed", "seg", "file_size", "base", "u8", "inflight", "answered_at",
                  "answered_seq", "registered", "on_remap", "_heads", "warned", "__weakref__")
 
     def __init__(self, pid: int, fd_no: int, token: int, fd: Optional[int] = None):
@@ -411,11 +425,12 @@ class Peer:
             size = check_sealed(fd, f"the slot of process {pid}")
             if size < DATA_OFFSET:
                 raise OSError(f"the slot of process {pid} is {size} bytes: too small")
-            self.seg = Segment(fd, size, f"/proc/{pid}/fd/{fd_no}")
+            self.seg = Segment(fd, min(size, _FIRST_MAP), f"/proc/{pid}/fd/{fd_no}")
         except BaseException:
             os.close(fd)
             raise
-        self.u8 = self.seg.ndarray(0, np.uint8, (size,))
+        self.file_size = size    # (a model process grows it for large outputs: grow)
+        self.u8 = self.seg.ndarray(0, np.uint8, (self.seg.size,))
         self.base = self.u8.ctypes.data
         magic, tok = _Q2.unpack_from(self.seg.buf, SEG_MAGIC_OFF)
         if magic != MAGIC or tok != token:
@@ -475,6 +490,7 @@ class Peer:
         be made, the old one stays and this raises (the answer becomes an error)."""
         if size > os.fstat(self.seg.fd).st_size:
             os.ftruncate(self.seg.fd, size)
+            self.file_size = size
         if self.registered and self.on_remap is not None:
             self.on_remap(self)   # the DMA registration of the old mapping goes first
         u8 = self.u8

@@ -378,6 +378,32 @@ def test_a_slot_grown_to_a_petabyte_costs_nobody_anything(start_runtime):
     assert _pids(rt, "expand") == pids
 
 
+def _vm_size(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+
+
+@pytest.mark.timeout(120)
+def test_slots_grown_before_their_first_request_cost_the_model_no_address_space(start_runtime):
+    """Clients grow their slots to 1 TiB each before the first request: the model process maps
+    what a request reads, not the file (mapping 80 such slots left it no room to map a new
+    client's, whose calls were then dropped unanswered)."""
+    rt = start_runtime(cpu_model("affine", models.affine, max_batch_size=4, wait_time=0.001))
+    pid = _pids(rt, "affine")[0]
+    before = _vm_size(pid)
+    handles = [SharedModel("affine", max_shape=(1, 2), namespace=rt.namespace) for _ in range(8)]
+    try:
+        for k, m in enumerate(handles):
+            os.ftruncate(m._h.idle[0].seg.fd, 1 << 40)   # before any model process opened it
+            x = np.full((1, 2), float(k), np.float32)
+            np.testing.assert_array_equal(m.forward(x, timeout=10), x * 2 + 1)
+        assert _vm_size(pid) - before < 8 << 30   # (8 TiB mapped, before)
+    finally:
+        for m in handles:
+            m.close()
+    _honest(rt, "affine")
+
+
 def test_what_a_client_puts_at_the_runtimes_paths_hangs_nobody_and_stops_no_restart(start_runtime):
     """A same-user process removes the model's socket, binds one of its own at its path, or
     replaces the link to its control block: new clients get a clear error at once (they

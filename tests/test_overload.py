@@ -349,6 +349,39 @@ def test_the_client_refuses_at_once_what_would_wait_beyond_max_queue(start_runti
 
 
 @pytest.mark.timeout(120)
+def test_a_request_whose_caller_stopped_waiting_holds_no_place_in_max_queue(start_runtime, gate):
+    """max_queue=2 is reached by C and D, then C's caller times out: a newcomer E (priority 1)
+    takes C's place -- C is answered as expired -- and D, whose caller still waits, is not
+    refused in E's favour."""
+    rt = start_runtime(cpu_model("m", functools.partial(models.sleepy, 0.0, gate.name), max_batch_size=1,
+                                 max_queue=2))
+    m = SharedModel("m", max_shape=(1, 4), namespace=rt.namespace)
+    gated = np.full((1, 4), models.GATE, np.float32)
+    first = _call_in_thread(m, gated)   # A: runs, held at the gate
+    gate.wait_entered()
+    calls = {"B": _call_in_thread(m, gated)}
+    wait_queued(m, n=1)
+    calls["C"] = _call_in_thread(m, X * 3, timeout=2.0)
+    wait_queued(m, n=2)
+    calls["D"] = _call_in_thread(m, X * 4)
+    wait_queued(m, n=3)
+    gate.open()          # A done: B runs (held at the gate), C and D wait
+    gate.wait_entered()
+    _wait_for(lambda: int(m.ctl.all_instances["queued"][0]) == 2)
+    calls["C"][0].join(30)   # C's caller gives up while C waits
+    assert "a model process took the request" in str(calls["C"][1].get("error")), calls["C"][1]
+    calls["E"] = _call_in_thread(m, X * 5, priority=1)
+    _wait_for(lambda: int(m.ctl.all_instances["held"][0]) == 3)   # B, D, E
+    gate.open()
+    for t, _ in [first, *calls.values()]:
+        t.join(60)
+    for name, k in (("D", 4), ("E", 5)):
+        np.testing.assert_array_equal(calls[name][1]["y"], X * k * 2 + 1)
+    stats = m.stats()
+    assert stats["rejected"] == {"deadline": 0, "queue": 0} and stats["expired"] == 1, stats
+
+
+@pytest.mark.timeout(120)
 def test_a_newcomer_that_cannot_make_its_deadline_displaces_no_one(start_runtime, gate):
     """With max_queue reached, a higher-priority newcomer whose timeout is shorter than a batch
     is refused for its deadline, and the request it outranks keeps its place."""
