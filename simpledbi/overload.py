@@ -1,47 +1,44 @@
-"""The overload policy: in which order waiting requests run, and which are refused at once. Pure
-(no processes, no shared memory), so each decision is unit-tested directly.
+"""The overload policy: in which order waiting requests run, and which are refused at once. Pure (no
+processes, no shared memory), so each decision is unit-tested directly.
 
 NOTE [overload]
 ---------------
-Past capacity, a queue only grows: every caller waits longer, and work whose caller gave up
-still runs. A model process therefore decides, for each request it takes from the socket:
+Past capacity, a queue only grows: every caller waits longer, and work whose caller gave up still runs. A
+model process therefore decides, for each request it takes from the socket:
 
 * **Deadline.** A request that carries a deadline (its call's ``timeout``, or the model's
-  ``default_timeout``) and cannot be answered in time -- given the rows that would run before it
-  and what this process has learned a row costs under load (:class:`ServiceRate`) -- is refused
-  at once with ``Overloaded``, before it costs anything. At batch close, a request that would
-  finish after its deadline is refused too: nothing runs for a caller that will not read it.
-* **Queue bound.** ``max_queue`` requests waiting across the model's processes: a newcomer is
-  refused, unless it outranks a waiting one, which is refused in its place.
-* **Order.** Higher ``priority`` first. Within a priority, clients (kernel pids, so threads and
-  handles of one process count as one client) take turns by rows: a request's place is the rows
-  its own client has waiting ahead of it (start-time fair queueing with equal weights), ties
-  by arrival. A client with one request waiting goes before a client's 64th, however many
-  threads sent them. And since a client with one call in flight sends its next only once
-  answered, the batch after it holds room for it (up to ``wait_time``; ModelServer._expect_returns):
-  otherwise a busier client's second turn would take its place every other batch.
+  ``default_timeout``) and cannot be answered in time -- given the rows that would run before it and what
+  this process learned a row costs under load (:class:`ServiceRate`) -- is refused at once with
+  ``Overloaded``, before it costs anything. At batch close, a request that would finish after its deadline
+  is refused too: nothing runs for a caller that will not read it.
+* **Queue bound.** ``max_queue`` requests waiting across the model's processes: a newcomer is refused,
+  unless it outranks a waiting one, which is refused in its place.
+* **Order.** Higher ``priority`` first. Within a priority, clients (kernel pids: threads and handles of one
+  process are one client) take turns by rows: a request's place is the rows its own client has waiting ahead
+  of it (start-time fair queueing with equal weights), ties by arrival. A client with one request waiting
+  goes before a client's 64th, however many threads sent them. And since a client with one call in flight
+  sends its next only once answered, the batch after it holds room for it (up to ``wait_time``;
+  ModelServer._expect_returns): else a busier client's second turn would take its place every other batch.
 
-To see what waits, a model process takes every queued datagram off the socket when it is the
-model's only process, callers send priorities or the queue is bounded (a request still in the
-kernel's queue gets no turn and no refusal); with several processes and callers that set
-deadlines, while its backlog is within a batch of its least loaded peer's; otherwise one batch
-ahead, since what one process takes the others cannot (Admission.takes_more; Intake.hand_back
-gives an idle peer what a busy one holds beyond its next batch). With callers that set
-deadlines, or ``max_queue`` set, it keeps taking them while the device runs a batch (a CPU
-model's forward pass then runs on a helper thread): with one model process most refusals come
-within a fraction of a millisecond of the call (with several, what waits in the socket's queue
-is refused only once taken: README, Known limits).
+To see what waits, a model process takes every queued datagram off the socket when it is the model's only
+process, callers send priorities or the queue is bounded (a request still in the kernel's queue gets no turn
+and no refusal); with several processes and callers that set deadlines, while its backlog is within a batch
+of its least loaded peer's; otherwise one batch ahead, since what one process takes the others cannot
+(Admission.takes_more; Intake.hand_back gives an idle peer what a busy one holds beyond its next batch).
+With deadlines, or ``max_queue`` set, it keeps taking them while the device runs a batch (a CPU model's
+forward pass then runs on a helper thread) unless a peer is idle: with one model process most refusals come
+within a fraction of a millisecond of the call (with several, what waits in the socket's queue is refused
+only once taken: README, Known limits).
 
-**The client refuses first when it can.** Each model process publishes in its instance row how
-many requests wait there, their lowest priority and how long a newcomer at default priority
-would wait (``newcomer_wait``, the same estimate as above). While every serving process has
-requests waiting, a call at priority <= 0 whose timeout is shorter than the least of those
-waits, or one that finds ``max_queue`` waiting, none of them below its priority, is refused by
-its client, never sent (ControlBlock.backlog): with several processes, a
-request left in the kernel's queue -- or its client blocked sending to a full one -- would
-otherwise learn its fate only once a process took it. Its handle's next datagram carries the
-count, and the process that takes it adds them to ``rejected`` (stats, status, Prometheus). A
-call of higher priority, or one a process could start in its next batch, is always sent.
+**The client refuses first when it can.** Each model process publishes in its instance row how many requests
+wait there, their lowest priority and how long a newcomer at default priority would wait (``newcomer_wait``,
+the same estimate). While every serving process has requests waiting, a call at priority <= 0 whose timeout
+is shorter than the least of those waits, or one that finds ``max_queue`` waiting, none of them below its
+priority, is refused by its client, never sent (ControlBlock.backlog): with several processes, a request
+left in the kernel's queue -- or its client blocked sending to a full one -- would otherwise learn its fate
+only once a process took it. Its handle's next datagram carries the count, and the process that takes it
+adds them to ``rejected`` (stats, status, Prometheus). A call of higher priority, or one a process could
+start in its next batch, is always sent.
 """
 from __future__ import annotations
 
@@ -63,12 +60,11 @@ _IDLE_GAP = 0.5
 #: milliseconds (measured on an H100: a cold start refused 73% of a half load); a real slowdown
 #: still shows, each batch moving the estimate by up to (4 - 1) / _MEMORY = 15%.
 _OUTLIER = 4.0
-#: A batch answered in less than this fraction of the learned latency (or at over its inverse
-#: times the learned rate) means the process changed pace -- a device
-#: warmed up, a neighbour left: the estimate moves halfway there at once, and its spread
-#: halves. An estimate too high sustains itself (the refusals it makes stop the batches that
-#: would correct it; measured, CPU echo warmed up at 150 ms a batch, then 10 ms: 0% of a 2x load
-#: answered over the next 4 s), while one too low is corrected by the batches it lets run.
+#: A batch answered in under this fraction of the learned latency (or at over its inverse times the learned
+#: rate) means the process changed pace (a device warmed up, a neighbour left): the estimate moves halfway
+#: there at once, and its spread halves. An estimate too high sustains itself (its refusals stop the batches
+#: that would correct it; measured, CPU echo warmed up at 150 ms a batch, then 10 ms: 0% of a 2x load
+#: answered over the next 4 s); one too low is corrected by the batches it lets run.
 _CHANGED_PACE = 0.5
 
 REASONS = ("deadline", "queue")
@@ -102,8 +98,8 @@ class Refusal:
 
 
 class ServiceRate:
-    """What this process learned about itself under load: rows per second it gets through when
-    requests are waiting, and seconds from a batch's close to its answers (its latency)."""
+    """What this process learned about itself under load: rows/s it gets through when requests
+    wait, and seconds from a batch's close to its answers (its latency)."""
 
     def __init__(self, memory: float = _MEMORY):
         self.alpha = 1.0 / memory
@@ -186,12 +182,11 @@ class PriorityArrivals:
 
 
 class Backlog:
-    """The requests a model process holds and has not put in a batch: a start-time fair queue.
-    Each request gets a tag when it arrives -- its client's finish tag (the rows of its requests
-    still ahead) or, for a client with nothing waiting, the queue's virtual time (the tag of
-    the last request taken) -- and requests leave by (higher priority, lower tag, arrival).
-    O(log n) a request. Tallies its decisions read in O(1): rows per priority, rows per
-    (priority, client), clients with several requests waiting."""
+    """The requests a model process holds and has not batched: a start-time fair queue. Each request
+    gets a tag when it arrives -- its client's finish tag (the rows of its requests still ahead) or,
+    for a client with nothing waiting, the queue's virtual time (the tag of the last request taken)
+    -- and requests leave by (higher priority, lower tag, arrival). O(log n) a request. Tallies read
+    in O(1): rows per priority, rows per (priority, client), clients with several requests waiting."""
 
     def __init__(self):
         self._heap: List = []                         # (-priority, tag, arrival, request)
@@ -323,9 +318,8 @@ class Backlog:
 
 def admit(now: float, deadline: float, rows_ahead: int, rate: ServiceRate,
           overtaking: float = 0.0) -> Optional[Refusal]:
-    """None to take the request, or why not: a request with a deadline (> 0) that would be
-    answered after it, given ``rows_ahead``, the learned rate and the rows per second of higher
-    priorities that will go before it (``overtaking``)."""
+    """None to take the request, or why not: it has a deadline (> 0) and would be answered after it,
+    given ``rows_ahead``, the learned rate and the rows/s of higher priorities (``overtaking``)."""
     if deadline > 0.0:
         wait = rate.wait(rows_ahead, overtaking)
         if now + wait > deadline:
@@ -339,13 +333,11 @@ def late_at_close(now: float, deadline: float, rate: ServiceRate) -> bool:
 
 
 def refused_at_close(now: float, batch: List, rate: ServiceRate) -> Tuple[List, List]:
-    """At batch close: (expired, doomed) -- the requests of ``batch`` whose deadline has passed,
-    and those the learned latency says would be answered after it. A batch is not emptied of
-    doomed ones alone once no batch has finished for as long as the estimate says one takes:
-    the one with the latest deadline runs, since only a batch that runs corrects the estimate
-    (measured: after a slow first batch, a model refused every call of a half load, for good,
-    once its latency estimate exceeded their 100 ms timeout). While batches do finish, nothing
-    runs that the estimate says will be late."""
+    """At batch close: (expired, doomed), the requests of ``batch`` whose deadline has passed and those the
+    learned latency says would be answered after it. Once no batch has finished for as long as the estimate
+    says one takes, a batch that would be emptied keeps its doomed request with the latest deadline: only a
+    batch that runs corrects the estimate (measured: after a slow first batch, a model refused every call of
+    a half load, for good, once its latency estimate exceeded their 100 ms timeout)."""
     late = [r for r in batch if late_at_close(now, r.deadline, rate)]
     expired = [r for r in late if r.deadline <= now]
     doomed = [r for r in late if r.deadline > now]

@@ -32,16 +32,16 @@ Requests travel as datagrams on the model's socket, which every model process of
              (model processes drop theirs at their next maintenance pass).
 
 Why it cannot cross, lose or wedge:
-* Which requests exist and who sent them is the kernel's word (one datagram, one reader, the
-  sender's pid); the datagram is the model process's private copy of the request's header.
-* Who serves a request is decided by the ticket, an atomic word: a withdrawal and a claim
-  never both win, and a datagram of a request withdrawn earlier finds no ticket (or a newer
-  PUB_SEQ: it puts the ticket back for the datagram of the current request, still queued).
-* A model process answers into the requester's own slot, tagged with the request's seq, written
-  last; a late answer can only land in its own stale slot, which is not reused before it arrives.
-* Nothing any process maps can shrink (sealed memfds): a client can scribble on its own slot and
-  make its own requests fail, never a SIGBUS elsewhere; every offset and size it gives is checked
-  against the slot's real size before anything is read or written.
+* Which requests exist and who sent them is the kernel's word (one datagram, one reader, the sender's
+  pid); the datagram is the model process's private copy of the request's header.
+* The ticket, an atomic word, decides who serves a request: a withdrawal and a claim never both win,
+  and a datagram of a request withdrawn earlier finds no ticket (or a newer PUB_SEQ: it puts the
+  ticket back for the datagram of the current request, still queued).
+* A model process answers into the requester's own slot, tagged with the request's seq, written last;
+  a late answer can only land in its own stale slot, which is not reused before it arrives.
+* Nothing any process maps can shrink (sealed memfds): a client can scribble on its own slot and make
+  its own requests fail, never a SIGBUS elsewhere; every offset and size it gives is checked against
+  the slot's real size before anything is read or written.
 """
 from __future__ import annotations
 
@@ -61,12 +61,10 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from . import futex
-from .layout import (
-    CLAIM_OFF, CLOSED_OFF, DATA_OFFSET, DONE_OFF, DTYPES, ERR_BYTES, ERR_OFF, INPUT_HEAD,
-    LAYOUT_HEAD, MAX_DIM, MAX_IO, MAX_NDIM, NAMES_BYTES, NAMES_OFF, PUB_SEQ_OFF, REQ_MAGIC,
-    REQ_PREFIX, RESP_OFF, RESP_SEQ_OFF, RESP_WORD, RESPONSE, SEG_MAGIC_OFF,
-    ST_BAD_REQUEST, ST_OK, TICKETS, TICKETS_OFF, MAGIC, ABANDON_OFF, align, code_dtype, dtype_code, shape_key,
-)
+from .layout import (ABANDON_OFF, CLAIM_OFF, CLOSED_OFF, DATA_OFFSET, DONE_OFF, DTYPES, ERR_BYTES, ERR_OFF,
+                     INPUT_HEAD, LAYOUT_HEAD, MAGIC, MAX_DIM, MAX_IO, MAX_NDIM, NAMES_BYTES, NAMES_OFF,
+                     PUB_SEQ_OFF, REQ_MAGIC, REQ_PREFIX, RESP_OFF, RESP_SEQ_OFF, RESP_WORD, RESPONSE,
+                     SEG_MAGIC_OFF, ST_OK, TICKETS, TICKETS_OFF, align, code_dtype, dtype_code, shape_key)
 from .shm import Segment, check_sealed, pid_alive
 
 _I64, _F64 = struct.Struct("<q"), struct.Struct("<d")
@@ -87,9 +85,8 @@ assert NAMES_OFF == RESP_OFF + 8 * _RESP_WORDS
 
 
 def _dumpable() -> bool:
-    """Can processes of this user open this process's descriptors through /proc? (Not when
-    the process made itself non-dumpable, e.g. a setuid program: then each request carries
-    its slot's descriptor instead.)"""
+    """Can processes of this user open this process's descriptors through /proc? (Not when it made
+    itself non-dumpable, e.g. a setuid program: then each request carries its slot's descriptor.)"""
     try:
         import ctypes
         return ctypes.CDLL(None).prctl(3, 0, 0, 0, 0) == 1   # PR_GET_DUMPABLE
@@ -143,8 +140,7 @@ class ClientSlot:
         self._u8 = seg.ndarray(0, np.uint8, (seg.size,))
         self._base = self._u8.ctypes.data
         self._resp_seq = seg.ndarray(RESP_SEQ_OFF, np.int64, (1,))
-        self._in_views: dict = {}
-        self._out_views: dict = {}
+        self._in_views, self._out_views = {}, {}
         self._done = self._base + DONE_OFF
 
     def _drop_views(self) -> None:
@@ -176,8 +172,8 @@ class ClientSlot:
                 self._layouts.clear()
             parts = [LAYOUT_HEAD.pack(self.out_offset, names, len(positions))]
             for p, item in zip(positions, items):
-                parts.append(INPUT_HEAD.pack(self._codes[p], len(item), self._inputs[p][1]))
-                parts.append(struct.pack(f"<{len(item)}q", *item))
+                parts += [INPUT_HEAD.pack(self._codes[p], len(item), self._inputs[p][1]),
+                          struct.pack(f"<{len(item)}q", *item)]
             layout = self._layouts[key] = b"".join(parts)
         self.seq += 1
         seq, now, r, refused = self.seq, time.monotonic(), self.refused, 0
@@ -252,8 +248,8 @@ class ClientSlot:
         return claim is not None and not pid_alive(claim[1])
 
     def wake(self) -> None:
-        """Wake a thread sleeping in :meth:`wait` (close() from another thread). A no-op once
-        the slot is detached: its call has ended already."""
+        """Wake a thread sleeping in :meth:`wait` (close() from another thread); a no-op once
+        detached: its call has ended."""
         with self._lock:
             if self.seg is not None:
                 futex.store_and_wake(self._done, futex.load(self._done) + 1)
@@ -319,9 +315,8 @@ class ClientSlot:
     def timing_tuple(self) -> tuple:
         """Where the request just read spent its time (time.monotonic seconds): published, batch
         closed, answer written, caller woken, and the rows of its batch."""
-        w = self._rw
-        return (_F64.unpack_from(self._msg, _T_B)[0], _F64.unpack_from(self.seg.buf, RESP_OFF + _RS_TCLOSE * 8)[0],
-                _F64.unpack_from(self.seg.buf, RESP_OFF + _RS_TDONE * 8)[0], self.woken, w[_RS_ROWS])
+        t_close, t_done = _TIMES.unpack_from(self.seg.buf, RESP_OFF + _RS_TCLOSE * 8)   # adjacent words
+        return _F64.unpack_from(self._msg, _T_B)[0], t_close, t_done, self.woken, self._rw[_RS_ROWS]
 
     # ------------------------------------------------------------ detach
     def detach(self) -> None:
@@ -444,9 +439,7 @@ class Peer:
         self._heads: dict = {}   # response header prefixes by output signature
         self.warned = False
 
-    @property
-    def size(self) -> int:
-        return self.seg.size
+    size = property(attrgetter("seg.size"))
 
     def answered(self, seq: int) -> bool:
         return _I64.unpack_from(self.seg.buf, RESP_SEQ_OFF)[0] == seq
@@ -484,10 +477,9 @@ class Peer:
         futex.take(self.base + TICKETS_OFF + 4 * (seq % TICKETS))
 
     def grow(self, size: int) -> None:
-        """Extend the client's slot for outputs larger than it (growing only: it is sealed
-        against shrinking) and map ``size`` bytes of it -- exactly what the answer needs, not
-        the file's size (its client may have grown it to a petabyte). If the new mapping cannot
-        be made, the old one stays and this raises (the answer becomes an error)."""
+        """Extend the client's slot for outputs larger than it (it is sealed against shrinking) and
+        map ``size`` bytes of it: what the answer needs, not the file's size (its client may have
+        grown it to a petabyte). If that cannot be mapped, the old mapping stays and this raises."""
         if size > os.fstat(self.seg.fd).st_size:
             os.ftruncate(self.seg.fd, size)
             self.file_size = size
@@ -504,11 +496,10 @@ class Peer:
 
     def answer(self, seq: int, srcs, sig: tuple, out_offset: int, structure: int, names: bytes,
                claimer: int, t_close: float, t_done: float, batch_rows: int) -> None:
-        """An answer with outputs: this request's rows of each (``srcs``: address and bytes per
-        output, one memmove each), then the response header -- built once per output signature
-        ``sig`` (dtype, shape, ...), structure and ``names`` (a dict / namedtuple answer's keys),
-        only the words a client reads -- then RESP_SEQ, last. The caller wakes the client.
-        Raises OSError, TypeError or ValueError for a slot it cannot write."""
+        """An answer with outputs: this request's rows of each (``srcs``: address and bytes per output,
+        one memmove each), then the response header (built once per output signature ``sig``, structure
+        and ``names``, a dict / namedtuple answer's keys; only the words a client reads), then RESP_SEQ,
+        last. The caller wakes the client. Raises OSError, TypeError or ValueError for a bad slot."""
         key = (structure, out_offset, names, sig)
         head = self._heads.get(key)
         if head is None:
@@ -556,10 +547,9 @@ class Peer:
 
 
 def _response_head(sig, out_offset: int, structure: int, names: bytes = b"") -> Tuple[bytes, int, tuple]:
-    """The RESPONSE words of an OK answer with outputs of signature ``sig`` (dtype, shape per
-    output), up to the last one a client reads -- or all of them and the ``names`` text after
-    them (claimer, rows and times are filled in per answer); the slot size the outputs need; and
-    each output's offset."""
+    """The RESPONSE words of an OK answer with outputs of signature ``sig`` (dtype, shape per output), up to
+    the last one a client reads -- or all of them and the ``names`` text after them (claimer, rows and times
+    are filled in per answer); the slot size the outputs need; and each output's offset."""
     w = [0] * _RESP_WORDS
     off = end = out_offset
     used = _RS_DIMS
