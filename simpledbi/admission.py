@@ -1,7 +1,6 @@
-"""Overload decisions in a model process (NOTE [overload] in overload.py has the policy): the
-requests it holds and has not batched yet, what it learned about its own speed, what it publishes
-for the model's other processes and ``status``, and the requests it refuses.
-"""
+"""Overload decisions in a model process (NOTE [overload] in overload.py has the policy): the requests it
+holds and has not batched yet, what it learned about its own speed, what it publishes for the model's
+other processes and ``status``, and the requests it refuses."""
 from __future__ import annotations
 
 import time
@@ -12,10 +11,8 @@ from .overload import (Backlog, Limits, PriorityArrivals, Refusal, ServiceRate, 
                        refused_at_close)
 from .slots import Request
 
-_QUEUED = INSTANCE.fields["queued"][1] // 8
-_STATE = INSTANCE.fields["state"][1] // 8
-_NEWCOMER = INSTANCE.fields["newcomer_wait"][1] // 8
-_LOWEST = INSTANCE.fields["lowest"][1] // 8
+_QUEUED, _STATE, _NEWCOMER, _LOWEST = (INSTANCE.fields[n][1] // 8
+                                        for n in ("queued", "state", "newcomer_wait", "lowest"))
 _ROW_WORDS = INSTANCE.itemsize // 8
 
 
@@ -48,16 +45,15 @@ class Admission:
         return self.deadlines_seen or self.limits.max_queue is not None
 
     def takes_more(self, limit: int) -> bool:
-        """Take requests off the socket beyond the next batch and one more (``limit`` rows)? When,
-        NOTE [overload] says. Not with several processes for fair turns or deadlines alone: what
-        one takes, the others cannot (measured on an H200: 256 callers got half the throughput,
-        and with deadlines the p99 at capacity tripled; Intake.hand_back only evens it out a few
-        requests at a time). With deadlines, within a batch of the least loaded peer: past
-        capacity every backlog then grows, so more is refused when taken and every process
-        publishes a queue for clients to refuse by; below capacity none holds more than a batch
-        beyond what an idle peer would take (ResNet-50 at 2x on an H100, run 35: refusals within
-        1 ms went from 0.4-2.7% to 4-10%; most still come tens of ms after the call, from requests
-        that waited in the socket's queue or blocked sending to it)."""
+        """Take requests off the socket beyond the next batch and one more (``limit`` rows)? When, NOTE
+        [overload] says. Not with several processes for fair turns or deadlines alone: what one takes,
+        the others cannot (measured on an H200: 256 callers got half the throughput, and with deadlines
+        the p99 at capacity tripled; Intake.hand_back only evens it out a few requests at a time). With
+        deadlines, within a batch of the least loaded peer: past capacity every backlog then grows, so
+        more is refused when taken and every process publishes a queue for clients to refuse by; below
+        capacity none holds more than a batch beyond what an idle peer would take (ResNet-50 at 2x on an
+        H100, run 35: refusals within 1 ms went from 0.4-2.7% to 4-10%; most still come tens of ms after
+        the call, from requests that waited in the socket's queue or blocked sending to it)."""
         return self.alone or self.priorities_seen or self.limits.max_queue is not None or (
             self.deadlines_seen and len(self.backlog) < min(self._peer_queues(), default=0) + limit)
 

@@ -1,7 +1,5 @@
-"""Answering, in a model process: writing each requester's rows and waking it, and what happens
-when a batch fails (poison isolation: only the requests that make the model fail get
-``ModelError``; ``ModelConfig.isolate_errors``).
-"""
+"""Answering, in a model process: each requester's rows written and it woken, and a failed batch (poison
+isolation, ``ModelConfig.isolate_errors``: only the requests that make the model fail get ``ModelError``)."""
 from __future__ import annotations
 
 import logging
@@ -21,12 +19,11 @@ logger = logging.getLogger(__name__)
 
 
 class _Waker:
-    """Wakes the callers of a batch from a thread of its own (on CUDA): each wake-up is a futex
-    syscall that costs the waker an interrupt to the sleeper's CPU -- 29% of a model process's
-    time at 128 clients on an H200 host, on the serving thread between two batches. Here the
-    syscalls run with the GIL released while the serving thread goes on. One thread, not
-    several: four sharing each batch served 16% less on the fast command (H200, run 39: the
-    hand-offs and their GIL traffic cost more than the parallel wake-ups saved)."""
+    """Wakes the callers of a batch from a thread of its own (on CUDA): each wake-up is a futex syscall
+    that costs the waker an interrupt to the sleeper's CPU -- 29% of a model process's time at 128
+    clients on an H200 host, on the serving thread between two batches. Here the syscalls run with the
+    GIL released while the serving thread goes on. One thread, not several: four sharing each batch
+    served 16% less on the fast command (H200, run 39: the hand-offs and their GIL traffic cost more)."""
 
     def __init__(self):
         self._todo: "queue.SimpleQueue" = queue.SimpleQueue()
@@ -166,8 +163,7 @@ class Answers:
         self._done(r, time.monotonic())
 
     def _done(self, r: Request, now: float) -> None:
-        """``r`` is answered: its client's turnaround starts now (ModelServer._took), its HELD
-        row goes."""
+        """``r`` is answered: its client's turnaround starts now (ModelServer._took), its HELD row goes."""
         r.peer.answered_at, r.peer.answered_seq = now, r.seq
         self._release(r)
 
@@ -216,10 +212,9 @@ def error_text(e: BaseException) -> str:
 
 
 def _one_line(message: str, most: int = 600) -> str:
-    """The caller's error message is one line. A message of several (TorchScript's: "The
-    following operation failed in the TorchScript interpreter. ... RuntimeError: mat1 and mat2
-    shapes cannot be multiplied") keeps its first and its last line, where the cause is; the
-    whole of it is in the remote traceback."""
+    """The caller's error message is one line. A message of several (TorchScript's: "The following
+    operation failed in the TorchScript interpreter. ... RuntimeError: mat1 and mat2 shapes cannot be
+    multiplied") keeps its first and last line, where the cause is; the remote traceback has it all."""
     lines = [line.strip() for line in message.splitlines() if line.strip()]
     if len(lines) > 1:
         message = f"{lines[0]} ... {lines[-1]}"

@@ -1,18 +1,14 @@
 """Runs one gathered batch through the model: gather -> (host->device) -> forward -> (device->host).
+Only in model processes (it imports torch). Two data paths:
 
-Runs only in model processes (it imports torch). Two data paths:
+* CPU: each request's rows are copied (one memmove) from its slot's mapping -- a sealed memfd, which
+  cannot SIGBUS -- into a preallocated staging buffer.
+* CUDA: ``gather="device"`` issues one asynchronous DMA per request straight from the client's shared
+  memory, registered once with ``cudaHostRegister`` so it counts as pinned (the CPU never touches that
+  mapping); ``gather="host"`` copies into a pinned staging buffer and transfers once. Outputs come back
+  with one copy per output into pinned memory; the caller scatters rows from there.
 
-* CPU: each request's rows are copied (one memmove) from its slot's mapping -- a sealed memfd,
-  which cannot SIGBUS -- into a preallocated staging buffer.
-* CUDA: ``gather="device"`` issues one asynchronous DMA per request straight from the client's
-  shared memory, registered once with ``cudaHostRegister`` so it counts as pinned (the CPU never
-  touches that mapping); ``gather="host"`` copies into a pinned staging buffer and transfers
-  once. Outputs come back with one copy per output into pinned memory; the caller scatters rows
-  from there.
-
-Stage times are measured per batch with CUDA events on the device (no extra synchronisation) and
-``perf_counter`` on the host.
-"""
+Stage times: CUDA events on the device (no extra synchronisation), ``perf_counter`` on the host."""
 from __future__ import annotations
 
 import ctypes
@@ -74,9 +70,8 @@ def resolve_device(device: str, ordinal: int = 0) -> torch.device:
 
 
 def input_names(cfg: ModelConfig, model) -> Tuple[str, ...]:
-    """The names clients may pass inputs by: ``cfg.input_names``, else the parameters of the
-    model's forward (Python signature or TorchScript schema; none if it has positional-only
-    ones), at most MAX_NAMES."""
+    """The names clients may pass inputs by: ``cfg.input_names``, else the parameters of the model's
+    forward (Python signature or TorchScript schema; none if any is positional-only), at most MAX_NAMES."""
     if cfg.input_names is not None:
         return tuple(cfg.input_names)
     fn = model.forward if isinstance(model, torch.nn.Module) else model
@@ -151,7 +146,8 @@ class Engine(GraphsAndSizes):
         self.cfg = cfg
         self.device = resolve_device(cfg.device_of(instance), cfg.gpu_ordinal(instance))
         self.cuda = self.device.type == "cuda"
-        threads = cfg.num_threads or (1 if self.cuda else max(1, (os.cpu_count() or 1) // max(1, model_procs_on_cpu)))
+        threads = cfg.num_threads or (1 if self.cuda else
+                                      max(1, (os.cpu_count() or 1) // max(1, model_procs_on_cpu)))
         torch.set_num_threads(threads)
         if self.cuda:
             torch.cuda.set_device(self.device)

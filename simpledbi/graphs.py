@@ -19,13 +19,12 @@ logger = logging.getLogger(__name__)
 MAX_GRAPH_SIGNATURES = 4
 #: Eager batches of one (item signature, graph bucket) before its graph is captured.
 GRAPH_AFTER_BATCHES = 3
-#: An eager forward pass that takes at least this fraction of its device time to enqueue (an
-#: average over batches) marks a launch-bound model: the device waits on the Python thread for much
-#: of each batch, and a graph replay enqueues it in tens of microseconds. Then cuda_graphs="auto"
-#: captures large batches too. On an H200 ResNet-18 at 112x112 measured ~1 (the device idles
-#: while it launches; graphs took it from 0.49x to 0.72x of plain PyTorch), and ResNet-50 at
-#: 224x224 beside 128 busy clients ~0.6 (its graphs halved the p99 at the same throughput);
-#: a model whose forward pass is one long kernel stays far below (docs/BENCHMARKS.md run 38).
+#: An eager forward pass that takes at least this fraction of its device time to enqueue (averaged over
+#: batches) marks a launch-bound model: the device waits on the Python thread for much of each batch, and a
+#: graph replay enqueues it in tens of microseconds; cuda_graphs="auto" then captures large batches too.
+#: Measured on an H200: ResNet-18 at 112x112 ~1 (graphs took it from 0.49x to 0.72x of plain PyTorch),
+#: ResNet-50 at 224x224 beside 128 busy clients ~0.6 (its graphs halved the p99 at the same throughput); a
+#: model whose forward pass is one long kernel stays far below (docs/BENCHMARKS.md run 38).
 LAUNCH_BOUND = 0.5
 #: A new batch size is padded to one already run until the padding rows spent on it reach this
 #: many full batches (about the first-run cost of a size, NOTE [first batch of a size]).

@@ -1,9 +1,7 @@
-"""What a model process holds and has not answered, in order (the batch loop's side of NOTE
-[overload]): filling a batch from the socket and the backlog, handing back to an idle peer,
-holding room for clients just answered, and taking requests in while the device -- or, for a
-CPU model, a helper thread -- runs a batch. A mixin of :class:`~simpledbi.model_process.ModelServer`,
-whose attributes it uses (intake, backlog, admission, engine, policy, max_batch, ...).
-"""
+"""What a model process holds and has not answered, in order (the batch loop's side of NOTE [overload]):
+filling a batch from the socket and the backlog, handing back to an idle peer, holding room for clients
+just answered, and taking requests in while the device (or, for a CPU model, a helper thread) runs a
+batch. A mixin of :class:`~simpledbi.model_process.ModelServer`, whose attributes it uses."""
 from __future__ import annotations
 
 import os
@@ -22,10 +20,9 @@ from .slots import Request
 #: finished: halved, the loop costs twice the CPU while a batch runs; doubled, a finished batch
 #: waits up to that long to be answered when nothing else arrives.
 _BUSY_POLL = 0.0002
-#: Python's thread switch interval while a CPU forward pass runs on a helper thread beside this
-#: one (_compute_while_taking): how long the helper may wait for the GIL while this thread runs
-#: Python between requests. Python's default, 5 ms, could hold the forward pass up that long;
-#: shorter costs more thread switches.
+#: Python's thread switch interval while a CPU forward pass runs on a helper thread (_compute_while_taking):
+#: how long the helper may wait for the GIL while this thread runs Python between requests. The default,
+#: 5 ms, could hold the forward pass up that long; shorter costs more thread switches.
 _GIL_HANDOFF = 0.0002
 
 
@@ -47,10 +44,9 @@ class Holding:
     """The batch-filling half of ModelServer (the module docstring says what it covers)."""
 
     def _await_device(self, flight) -> None:
-        """With callers that set deadlines (or max_queue set): while the device finishes
-        ``flight``, keep taking requests off the socket, so that one refused is refused at once
-        (NOTE [overload]), not after this batch -- as far ahead as Admission.takes_more says.
-        Otherwise the wait is the engine's (a blocking synchronize)."""
+        """With callers that set deadlines (or max_queue set): while the device finishes ``flight``, keep
+        taking requests off the socket, so that one refused is refused at once (NOTE [overload]), not after
+        this batch, as far ahead as Admission.takes_more says. Else the engine waits (synchronize)."""
         launched = flight.launched
         if launched is None or flight.error is not None or not launched.started or \
                 not self.admission.refuses_early:
@@ -115,16 +111,14 @@ class Holding:
         c.oldest, c.newest = min(c.oldest, req.t_publish), max(c.newest, req.t_publish)
 
     def _fill(self, batch: List[Request], c: _Collecting) -> None:
-        """Add requests to ``batch``: first those I hold (in overload.Backlog's order), then what
-        is queued on the socket now. Once the batch is full, what is queued is still taken, up to
-        one more batch (it goes first next time), unless a peer is idle: the socket's queue is
-        short (net.unix.max_dgram_qlen, 10 by default), and each request taken from a full one
-        wakes a client blocked in send -- at 128 clients, they spent 40% of their time there and
-        the model processes a wake-up per request. Beyond that, as Admission.takes_more says.
-
-        Fair turns (NOTE [overload]): while clients just answered may still send, a client's
-        second and later requests wait in the backlog until the batch closes, then top it up
-        (_top_up): a client just answered gets its turn in the next batch, not the one after."""
+        """Add requests to ``batch``: first those I hold (in overload.Backlog's order), then what is queued
+        on the socket now. Once the batch is full, what is queued is still taken, up to one more batch (it
+        goes first next time), unless a peer is idle: the socket's queue is short (net.unix.max_dgram_qlen,
+        10 by default), and each request taken from a full one wakes a client blocked in send (at 128
+        clients, they spent 40% of their time there, and the model processes a wake-up per request).
+        Beyond that, as Admission.takes_more says. Fair turns (NOTE [overload]): while clients just
+        answered may still send, a client's second and later requests wait in the backlog until the batch
+        closes, then top it up (_top_up): so a client just answered gets its turn in the next batch."""
         c.waiting = 0
         backlog, intake = self.backlog, self.intake
         if backlog.rows > c.limit and self._peer_free():
@@ -191,9 +185,8 @@ class Holding:
         return c.key is None or r.kind == c.kind and r.rows <= c.limit - c.rows
 
     def _from_backlog(self, batch: List[Request], c: _Collecting) -> None:
-        """Fill ``batch`` from the backlog in its order while it has room; requests of another
-        kind keep their places. Second turns stay back while clients just answered may still
-        send (_expect_returns)."""
+        """Fill ``batch`` from the backlog in its order while it has room; requests of another kind keep
+        their places. Second turns stay back while clients just answered may still send (_expect_returns)."""
         backlog = self.backlog
         hold = backlog.repeats > 0 and bool(self._returning) and time.monotonic() < self._hold_until
         aside = []

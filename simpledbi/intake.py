@@ -1,12 +1,11 @@
-"""Taking requests in, in a model process: the model's socket, the client slots it maps, and the
-checks between a datagram and a :class:`~simpledbi.slots.Request` (NOTE [slot protocol]).
+"""Taking requests in, in a model process: the model's socket, the client slots it maps, and the checks
+between a datagram and a :class:`~simpledbi.slots.Request` (NOTE [slot protocol]).
 
-The kernel does the part that used to take a table, claims, look-behinds and back-offs: it
-delivers each datagram to exactly one model process and says which process sent it
-(``SO_PASSCRED``), so a request exists only if its client sent it, and reaches one process once.
-What a datagram says is still a client's word: its slot is opened only through the sender's own
-descriptor table, must be a sealed memfd carrying the datagram's token, and the request's
-layout and size are checked against that slot before anything is read.
+The kernel does what a table, claims, look-behinds and back-offs did: it delivers each datagram to
+exactly one model process and says which process sent it (``SO_PASSCRED``), so a request exists only if
+its client sent it, and reaches one process once. What a datagram says is still a client's word: its
+slot is opened only through the sender's own descriptor table, must be a sealed memfd carrying the
+datagram's token, and the request's layout and size are checked against that slot before anything is read.
 """
 from __future__ import annotations
 
@@ -35,12 +34,11 @@ _INST_PID, _INST_HELD, _INST_CLIENTS = (INSTANCE.fields[n][1] // 8 for n in ("pi
 _INST_WORDS = INSTANCE.itemsize // 8
 WAKE = object()                   # what next() returns for the runtime's wake-up datagram
 _MAX_PRIORITY = 1000              # SharedModel's bound on priority (a scribbled one is clamped)
-#: Precise waits shorter than this use select(), whose timer is precise, rather than the socket's
-#: receive timeout, which the kernel rounds up to scheduler ticks (1-4 ms, and one more: measured
-#: 8 ms for any timeout under 4 ms on a 250 Hz kernel). Other waits keep the receive timeout: a
-#: receiver blocked in recvmsg is woken alone (select() wakes every process waiting in it). The
-#: batch loop's own waits keep it as measured so far; whether they gain from select() is not
-#: measured yet (a run with select() everywhere served 24% less, among other changes).
+#: Precise waits shorter than this use select(), whose timer is precise, not the socket's receive timeout,
+#: which the kernel rounds up to scheduler ticks (1-4 ms, and one more: measured 8 ms for any timeout under
+#: 4 ms on a 250 Hz kernel). Other waits keep the receive timeout: a receiver blocked in recvmsg is woken
+#: alone (select() wakes every process waiting in it). Whether the batch loop's own waits gain from
+#: select() is not measured apart (a run with select() everywhere served 24% less, among other changes).
 _PRECISE_BELOW = 0.02
 #: Requests at least this large are checked to lie over memory the client wrote: a slot of
 #: unwritten pages costs its client nothing, staging its "inputs" would cost this process their
@@ -87,11 +85,10 @@ class Intake:
         return len(self._held) // _HELD_WORDS - len(self._free)
 
     def next(self, timeout: float, precise: bool = False):
-        """The next request for me: a Request, WAKE (the runtime wants me to look at the model's
-        state), or None when nothing came within ``timeout`` seconds (0: only what is queued).
-        Datagrams that carry no request for me (withdrawn, malformed: answered) are consumed.
-        ``precise``: a short timeout is kept to the microsecond (select(), below), not rounded
-        up to the kernel's ticks -- for the waits that refusals depend on."""
+        """The next request for me: a Request, WAKE (the runtime wants me to look at the model's state), or
+        None when nothing came within ``timeout`` seconds (0: only what is queued). Datagrams that carry
+        no request for me (withdrawn, malformed: answered) are consumed. ``precise``: a short timeout is
+        kept to the microsecond (_PRECISE_BELOW), for the waits that refusals depend on."""
         precise = precise and self._selectable
         deadline = time.monotonic() + timeout
         while True:
@@ -225,18 +222,16 @@ class Intake:
         self._inst[_INST_HELD] = self.held
 
     def _sibling(self, pid: int) -> bool:
-        """Is ``pid`` a model process of this model (either bank, in any state: one that died
-        after handing a request back was one when it sent it; me too: my own hand-back can come
-        back to me)?"""
+        """Is ``pid`` a model process of this model (either bank, in any state: one that died after handing
+        a request back was one when it sent it; me too: my own hand-back can come back to me)?"""
         w = self._all_inst
         return pid == self.pid or any(w[r * _INST_WORDS + _INST_PID] == pid
                                        for r in range(len(w) // _INST_WORDS))
 
     def hand_back(self, req: Request) -> bool:
-        """Give a request I took but will not start soon back to the model's socket, for an idle
-        peer (or, should its client withdraw first, for nobody). False if the socket's queue is
-        full: I keep it. Its HELD row goes only once the datagram is sent -- should I die in
-        between, the supervisor answers it."""
+        """Give a request I took but will not start soon back to the model's socket, for an idle peer (or,
+        should its client withdraw first, for nobody). False if the socket's queue is full: I keep it. Its
+        HELD row goes only once the datagram is sent: should I die in between, the supervisor answers it."""
         peer = req.peer
         msg = FWD_PREFIX.pack(FWD_MAGIC, 0, peer.pid) + REQ_PREFIX.pack(
             REQ_MAGIC, peer.fd_no, peer.token, req.seq, req.rows, req.t_publish, req.deadline,

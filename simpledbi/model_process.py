@@ -16,6 +16,7 @@ catch-all that answers its callers with a typed error and keeps serving.
 """
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import gc
 import logging
@@ -78,13 +79,11 @@ def _raise_fd_limit() -> None:
     """A mapping per client slot plus torch's own descriptors: the soft descriptor limit (often
     1024) goes up to the hard one, as far as 2**20."""
     import resource
-    try:
+    with contextlib.suppress(ValueError, OSError):
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
         want = min(hard if hard != resource.RLIM_INFINITY else 2**20, 2**20)
         if soft != resource.RLIM_INFINITY and soft < want:
             resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
-    except (ValueError, OSError):
-        pass
 
 
 def model_process_main(spec: ModelProcessSpec, conn, sock, ctl_fd) -> None:
@@ -99,11 +98,9 @@ def model_process_main(spec: ModelProcessSpec, conn, sock, ctl_fd) -> None:
     try:
         server = ModelServer(spec, sock, inherited_fd(ctl_fd))
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises
-        try:
+        with contextlib.suppress(OSError):   # (the parent is gone: nothing to report to)
             conn.send(("failed", f"{type(e).__name__}: {safe_str(e)}", traceback.format_exc()))
             conn.close()
-        except OSError:
-            pass   # the parent is gone: nothing to report to
         os._exit(1)
     # Everything loaded so far (torch, the model) lives as long as the process: keep it out of
     # the garbage collector's full passes, which otherwise stall a batch for tens of ms.
@@ -166,8 +163,7 @@ class ModelServer(Holding):
         self.max_batch = int(cfg.max_batch_size)
         self.policy = batching.Policy(self.max_batch, float(cfg.wait_time), cfg.latency_target,
                                       adaptive=cfg.batching == "adaptive")
-        self.costs = batching.CostModel()
-        self.arrivals = batching.RateMeter()
+        self.costs, self.arrivals = batching.CostModel(), batching.RateMeter()
         self.turnaround: Optional[float] = None   # seconds from an answer to the client's next request (EMA)
         dtypes = tuple(np.dtype(d) for d in cfg.input_dtypes) if cfg.input_dtypes else None   # (shapes too)
         limits = Limits(self.max_batch, len(cfg.input_shapes) if cfg.input_shapes else None, dtypes,
@@ -189,8 +185,7 @@ class ModelServer(Holding):
         self._done_r, self._done_w = os.pipe() if not self.engine.cuda else (-1, -1)
         # Fair turns (NOTE [overload]): clients answered last whose next request is expected
         # (they have nothing waiting), and until when the next batch holds room for them.
-        self._returning: set = set()
-        self._hold_until = 0.0
+        self._returning, self._hold_until = set(), 0.0
         self._hdr_words = words(self.ctl.header)
         self._inst_words = words(self.ctl.all_instances[self.me:self.me + 1])
         self._inst_words[_I_FREE] = 0
@@ -212,8 +207,7 @@ class ModelServer(Holding):
                 except Exception:
                     if cfg.cuda_graphs != "auto":
                         raise
-                    logger.warning("%s CUDA graph capture failed; running eagerly", self.tag,
-                                   exc_info=True)
+                    logger.warning("%s CUDA graph capture failed; running eagerly", self.tag, exc_info=True)
         self._last_maintenance = time.monotonic()
         inst["graphs"] = self._graphs_shown = self.engine.graph_total   # as the instance row shows them
         if inst["state"] != INST_RETIRING:  # replaced by a reload while loading: it stays retiring
@@ -233,15 +227,14 @@ class ModelServer(Holding):
             time.sleep(0.005)
 
     def serve(self) -> None:
-        """The batch loop (under torch.inference_mode). NOTE [pipelining]: on CUDA, batch k+1 is
-        collected while batch k runs on the device, and closes once k should end in about the time
-        staging and launching k+1 take (learned), so the device goes on without a gap (measured on
-        the fast command, H200: 0.71x plain PyTorch when it closed only once the device was idle,
-        0.91x so). Its host->device copies are enqueued on a separate stream at once. Then either k is
-        answered and k+1's forward launched, or -- when launching is cheap next to the device time
-        (CUDA graphs, big batches) -- k+1's forward is launched first so the device never waits.
-        At most two batches are unfinished at any time (two buffer sets); on the CPU every batch
-        is computed and answered in turn."""
+        """The batch loop (under torch.inference_mode). NOTE [pipelining]: on CUDA, batch k+1 is collected
+        while batch k runs on the device, and closes once k should end in about the time staging and
+        launching k+1 take (learned), so the device goes on without a gap (fast command, H200: 0.71x plain
+        PyTorch when it closed only once the device was idle, 0.91x so). Its host->device copies are
+        enqueued on a separate stream at once. Then k is answered and k+1's forward launched, or -- when
+        launching is cheap next to the device time (CUDA graphs, big batches) -- k+1's forward goes first
+        so the device never waits. At most two batches are unfinished (two buffer sets); on the CPU every
+        batch is computed and answered in turn."""
         inflight: Optional[_InFlight] = None
         hdr_words, inst_words = self._hdr_words, self._inst_words
         while not self.answers.fatal:
@@ -341,11 +334,9 @@ class ModelServer(Holding):
             self.engine.close()
         except Exception:  # noqa: BLE001 - best effort at exit
             logger.debug("%s engine close failed", self.tag, exc_info=True)
-        try:
+        with contextlib.suppress(Exception):
             self.ctl.all_instances[self.me]["free"] = 0
             self.ctl.all_instances[self.me]["state"] = INST_DEAD
-        except Exception:  # noqa: BLE001
-            pass
         self.acct.close()
         if self._main_fd is not None and self._main_fd >= 0:
             os.close(self._main_fd)
