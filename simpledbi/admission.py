@@ -22,12 +22,10 @@ class Admission:
     def __init__(self, ctl: ControlBlock, row: int, limits: Limits,
                  fail: Callable[[Sequence[Request], int, str], None], count: Callable[..., None]):
         self.ctl, self.row, self.limits = ctl, row, limits
-        self.backlog = Backlog()
-        self.rate = ServiceRate()
+        self.backlog, self.rate = Backlog(), ServiceRate()
         self.arrivals = PriorityArrivals()   # kept once callers send priorities
         self._fail, self._count = fail, count
-        self._all = words(ctl.all_instances)
-        self._floats = words(ctl.all_instances, "d")
+        self._all, self._floats = words(ctl.all_instances), words(ctl.all_instances, "d")
         self._mine = row * _ROW_WORDS
         #: Callers send deadlines: keep taking requests off the socket while the device runs a
         #: batch, so that refusals come at once (ModelServer._await_device).

@@ -53,9 +53,8 @@ class Answers:
 
     def __init__(self, tag: str, row: int, engine, gather: Callable, release: Callable[[Request], None],
                  count: Callable[[str, int], None], isolate: bool):
-        self.tag, self.row, self.engine = tag, row, engine
+        self.tag, self.row, self.engine, self.isolate = tag, row, engine, isolate
         self._gather, self._release, self._count = gather, release, count
-        self.isolate = isolate
         self.fatal = False   # the CUDA context is unusable: the process must be replaced
         self._waker = _Waker() if engine.cuda else None
 

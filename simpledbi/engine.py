@@ -411,9 +411,7 @@ class _BufferSet:
     outputs, and the events that time its stages."""
 
     def __init__(self, cuda: bool):
-        self.dev: List[torch.Tensor] = []
-        self.host: List[np.ndarray] = []
-        self.out: List[torch.Tensor] = []
+        self.dev, self.host, self.out = [], [], []
         self.host_copied = False
         self.events = ({n: torch.cuda.Event(enable_timing=True)
                         for n in ("start", "copied", "fwd_start", "fwd_end", "done")} if cuda else {})

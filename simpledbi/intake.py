@@ -61,8 +61,7 @@ class Intake:
         self._selectable = sock.fileno() < 1024      # select()'s FD_SETSIZE
         sock.setblocking(True)
         self.ctl, self.row, self.limits = ctl, row, limits
-        self.max_clients = max_clients
-        self.supervisor_pid = supervisor_pid
+        self.max_clients, self.supervisor_pid = max_clients, supervisor_pid
         self.pid, self.uid = os.getpid(), os.getuid()
         self.peers: Dict[Tuple[int, int], Peer] = {}     # (pid, token) -> the slot mapped
         self._layouts: Dict[bytes, Layout] = {}

@@ -509,8 +509,7 @@ class ModelServer(Holding):
             except Exception as e:  # noqa: BLE001
                 error = e
         t_scatter = time.monotonic()
-        # counted after the answers are written, before anyone is woken (Answers.batch): a
-        # caller's stats() after its answer includes it
+        # counted before its callers wake (Answers.batch): a caller's stats() after its answer includes it
         count = partial(self.acct.count, batch, total)
         if error is not None:
             self.answers.failure(batch, error, t_close)

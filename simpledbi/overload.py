@@ -106,8 +106,7 @@ class ServiceRate:
         self.rows_per_s = 0.0      # 0: not learned yet
         self.latency = 0.0
         self.latency_dev = 0.0     # mean absolute deviation of the latency
-        self._last_close = 0.0
-        self._last_backlogged = False
+        self._last_close, self._last_backlogged = 0.0, False
         self._batches = 0
         self.last_done = 0.0      # when the last batch was answered (monotonic seconds)
 

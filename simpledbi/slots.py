@@ -520,9 +520,8 @@ class Peer:
 
     def respond(self, seq: int, status: int, text: str, claimer: int = 0, t_close: float = 0.0,
                 batch_rows: int = 0, wake: bool = True) -> None:
-        """An answer without outputs (``status``, not ST_OK, and its ``text``): the response
-        header, RESP_SEQ last, then wake the client (unless ``wake`` is False). Never raises for
-        a client's fault."""
+        """An answer without outputs (``status``, not ST_OK, and its ``text``): the response header,
+        RESP_SEQ last, then wake the client (unless ``wake`` is False). Never raises for a client's fault."""
         try:
             w = [0] * _RESP_WORDS
             data = text.encode("utf-8", "replace")[:ERR_BYTES]
