@@ -369,7 +369,8 @@ class SharedModel(Inputs):
                 if why is not None:
                     with h.lock:   # counted by the model process that takes this handle's next request
                         h.refused[why.reason == "queue"] += 1
-                    raise _overloaded(self.name, why, slot.call_timeout, slot.call_start, h.max_queue, waiting)
+                    raise _overloaded(self.name, why, slot.call_timeout, slot.call_start, h.max_queue,
+                                      waiting)
         if h.refused[0] or h.refused[1]:   # this datagram reports the calls refused here, unsent
             with h.lock:
                 slot.refused = [a + b for a, b in zip(slot.refused, h.refused)]

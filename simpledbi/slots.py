@@ -129,7 +129,7 @@ class ClientSlot:
         self._codes = [dtype_code(dt) for dt in dtypes]
         self._prefix = bytearray(REQ_PREFIX.size)
         REQ_PREFIX.pack_into(self._prefix, 0, REQ_MAGIC, self.seg.fd, self.token, 0, 0, 0.0, 0.0, 0, 0)
-        self.refused = [0, 0]   # calls refused here, not sent: deadline, queue (the next datagram reports them)
+        self.refused = [0, 0]   # calls refused here, unsent: deadline, queue (the next datagram reports them)
         self._reported = 0      # ... and those the current request's datagram reports (layout: REQ_PREFIX)
         self._layouts: Dict[tuple, bytes] = {}   # (names, positions, item shapes) -> layout bytes
         self._anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [self.seg.fd]).tobytes())] \
@@ -408,8 +408,8 @@ class Peer:
     ``/proc/<pid>/fd/<fd>`` (or the descriptor the datagram carried), checked to be a memfd
     sealed against shrinking whose token is the datagram's."""
 
-    __slots__ = ("pid", "token", "fd_no", "passed", "seg", "file_size", "base", "u8", "inflight", "answered_at",
-                 "answered_seq", "registered", "on_remap", "_heads", "warned", "__weakref__")
+    __slots__ = ("pid", "token", "fd_no", "passed", "seg", "file_size", "base", "u8", "inflight",
+                 "answered_at", "answered_seq", "registered", "on_remap", "_heads", "warned", "__weakref__")
 
     def __init__(self, pid: int, fd_no: int, token: int, fd: Optional[int] = None):
         self.pid, self.fd_no, self.token = pid, fd_no, token
