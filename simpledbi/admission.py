@@ -61,8 +61,8 @@ class Admission:
         if req.deadline > 0.0:
             self.deadlines_seen = True
             if req.deadline <= req.t_seen:   # its caller timed out already: late, not refused
+                self._count("expired")   # (counted first: its caller may read stats() once answered)
                 self._fail([req], ST_EXPIRED, "the call's timeout passed before a model process took it")
-                self._count("expired")
                 return False
         if req.priority:
             self.priorities_seen = True
@@ -112,18 +112,18 @@ class Admission:
         expired, doomed = refused_at_close(time.monotonic(), batch, self.rate)
         if not expired and not doomed:
             return batch
-        self._fail(expired, ST_EXPIRED, "the call's timeout passed before its batch ran")
         self._count("expired", len(expired))
+        self._fail(expired, ST_EXPIRED, "the call's timeout passed before its batch ran")
         self.refuse(doomed, Refusal("deadline", self.rate.latency_bound))
         return self._without(batch, expired + doomed)
 
     def _answer_gone(self, gone: List[Request]) -> None:
         """Requests whose callers stopped waiting: answered, counted as expired (timed out) or
         withdrawn (cancelled, closed)."""
-        self._fail(gone, ST_EXPIRED, "its caller stopped waiting before its batch ran")
         timed_out = sum(0.0 < r.deadline <= time.monotonic() for r in gone)
         self._count("expired", timed_out)
         self._count("withdrawn", len(gone) - timed_out)
+        self._fail(gone, ST_EXPIRED, "its caller stopped waiting before its batch ran")
 
     def _drop_abandoned(self) -> bool:
         """At max_queue: the waiting requests whose callers stopped waiting hold no place (they
@@ -142,8 +142,8 @@ class Admission:
         return [r for r in batch if id(r) not in ids]
 
     def refuse(self, requests: Sequence[Request], why: Refusal) -> None:
+        self._count("shed_" + why.reason, len(requests))   # before the answers: see take
         self._fail(requests, ST_OVERLOADED, why.text())
-        self._count("shed_" + why.reason, len(requests))
 
     def publish(self) -> None:
         """My row of the control block: requests waiting here, the lowest priority among them

@@ -79,7 +79,7 @@ class Holding:
                     os.read(self._done_r, 1)
                     byte_read = True
                     break
-                if ready:
+                if ready and not self._peer_free():   # (a peer that went idle meanwhile takes it)
                     got = intake.next(0)
                     if isinstance(got, Request) and self._took(got):
                         self.backlog.add(got)
