@@ -3,48 +3,16 @@ isolation, ``ModelConfig.isolate_errors``: only the requests that make the model
 from __future__ import annotations
 
 import logging
-import queue
-import threading
 import time
 import traceback
 from typing import Callable, List, Sequence
 
 import numpy as np
 
-from . import futex
-from .layout import DONE_OFF, MAX_IO, MAX_NDIM, ST_BAD_REQUEST, ST_MODEL_ERROR, dtype_code
+from .layout import MAX_IO, MAX_NDIM, ST_BAD_REQUEST, ST_MODEL_ERROR, dtype_code
 from .slots import Request
 
 logger = logging.getLogger(__name__)
-
-
-class _Waker:
-    """Wakes the callers of a batch from a thread of its own (on CUDA): each wake-up is a futex syscall
-    that costs the waker an interrupt to the sleeper's CPU -- 29% of a model process's time at 128
-    clients on an H200 host, on the serving thread between two batches. Here the syscalls run with the
-    GIL released while the serving thread goes on. One thread, not several: four sharing each batch
-    served 16% less on the fast command (H200, run 39: the hand-offs and their GIL traffic cost more)."""
-
-    def __init__(self):
-        self._todo: "queue.SimpleQueue" = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name="simpledbi-waker", daemon=True)
-        self._thread.start()
-
-    def wake(self, addresses: list) -> None:
-        self._todo.put(addresses)
-
-    def _run(self) -> None:
-        wake = futex.wake_released
-        while True:
-            addresses = self._todo.get()
-            if addresses is None:
-                return
-            for address in addresses:
-                wake(address)
-
-    def close(self) -> None:
-        self._todo.put(None)
-        self._thread.join(timeout=5)
 
 
 class Answers:
@@ -56,16 +24,16 @@ class Answers:
         self.tag, self.row, self.engine, self.isolate = tag, row, engine, isolate
         self._gather, self._release, self._count = gather, release, count
         self.fatal = False   # the CUDA context is unusable: the process must be replaced
-        self._waker = _Waker() if engine.cuda else None
-
-    def close(self) -> None:
-        if self._waker is not None:
-            self._waker.close()
 
     def batch(self, batch: List[Request], result, t_close: float, total: int, before_wake=None) -> None:
         """Write every answer first, then wake the callers: a woken caller often takes this CPU
         at once, and should not delay the answers of the rest of its batch. ``before_wake`` runs
-        in between: counters a caller reads after its answer already include it."""
+        in between: counters a caller reads after its answer already include it.
+
+        The wake-ups are made here, the GIL held (a futex wake of a sleeping process: 5.4 us on an
+        H200 host). A thread of their own, with the GIL released in each syscall, served 11% less
+        on the fast command (run 40): each wake then waited for the serving thread's next release
+        of the GIL, and a batch's last caller woke ~0.5 ms after its answer was written."""
         structure = result.structure
         code, names, row = structure.code, structure.names, self.row
         # each output's first row and bytes per row: a request's rows are one memmove each
@@ -95,13 +63,8 @@ class Answers:
             if before_wake is not None:
                 before_wake()
         finally:
-            if self._waker is not None:
-                for r in answered:
-                    futex.store(r.peer.base + DONE_OFF, r.seq)
-                self._waker.wake([r.peer.base + DONE_OFF for r in answered])
-            else:
-                for r in answered:
-                    r.peer.wake(r.seq)
+            for r in answered:
+                r.peer.wake(r.seq)
 
     def failure(self, batch: List[Request], error: BaseException, t_close: float) -> None:
         """A batch failed: bisect it to find the requests that make the model fail (if isolation

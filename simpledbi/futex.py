@@ -82,15 +82,6 @@ def store_and_wake(address: int, value: int) -> None:
     _syscall_quick(_SYS_FUTEX, address, _FUTEX_WAKE, _INT_MAX, None, None, 0)
 
 
-def wake_released(address: int) -> None:
-    """A wake-up with the GIL released during the syscall (a thread of its own does these)."""
-    _syscall(_SYS_FUTEX, address, _FUTEX_WAKE, _INT_MAX, None, None, 0)
-
-
-def store(address: int, value: int) -> None:
-    ctypes.c_uint32.from_address(address).value = value & 0xFFFFFFFF
-
-
 def load(address: int) -> int:
     return ctypes.c_uint32.from_address(address).value
 

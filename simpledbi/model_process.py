@@ -322,7 +322,6 @@ class ModelServer(Holding):
         return self.ctl.model_num > 1 and bool(self._free.any())
 
     def close(self) -> None:
-        self.answers.close()
         self.admission.close()
         if self._helper is not None:
             self._helper.shutdown(wait=True)
