@@ -67,7 +67,7 @@ from .layout import (ABANDON_OFF, CLAIM_OFF, CLOSED_OFF, DATA_OFFSET, DONE_OFF, 
                      SEG_MAGIC_OFF, ST_OK, TICKETS, TICKETS_OFF, align, code_dtype, dtype_code, shape_key)
 from .shm import Segment, check_sealed, pid_alive
 
-_I64, _F64 = struct.Struct("<q"), struct.Struct("<d")
+_I64 = struct.Struct("<q")
 #: A client's slot is mapped up to this size when first opened, and further only as far as a
 #: request reads (Intake): a client can grow its own memfd to terabytes, and mapping all of it
 #: took a model process's address space (80 such slots left no room to map a new client's).
@@ -109,7 +109,7 @@ class ClientSlot:
         self.call_timeout = None    # the current call's timeout, start and priority (for its
         self.call_start = 0.0       # datagram and its errors)
         self.priority = 0
-        self.woken = 0.0
+        self.published = self.woken = 0.0   # when the current request was published, its caller woken
         self.withdrawn = 0          # the last seq taken back before any model process took it
         self.interrupted = False    # close() from another thread while a call waits here ...
         self.cancelled = False      # ... or its forward_async task was cancelled
@@ -127,8 +127,6 @@ class ClientSlot:
         self._waiter = futex.Waiter()
         self._inputs = [(dt, off) for off, dt in zip(offsets, dtypes)]
         self._codes = [dtype_code(dt) for dt in dtypes]
-        self._prefix = bytearray(REQ_PREFIX.size)
-        REQ_PREFIX.pack_into(self._prefix, 0, REQ_MAGIC, self.seg.fd, self.token, 0, 0, 0.0, 0.0, 0, 0)
         self.refused = [0, 0]   # calls refused here, unsent: deadline, queue (the next datagram reports them)
         self._reported = 0      # ... and those the current request's datagram reports (layout: REQ_PREFIX)
         self._layouts: Dict[tuple, bytes] = {}   # (names, positions, item shapes) -> layout bytes
@@ -176,7 +174,8 @@ class ClientSlot:
                           struct.pack(f"<{len(item)}q", *item)]
             layout = self._layouts[key] = b"".join(parts)
         self.seq += 1
-        seq, now, r, refused = self.seq, time.monotonic(), self.refused, 0
+        seq, r, refused = self.seq, self.refused, 0
+        self.published = time.monotonic()
         if r[0] or r[1]:   # 16 bits each, as many as fit (layout: REQ_PREFIX); the rest go next time
             d, q = min(r[0], 0xFFFF), min(r[1], 0x7FFF)
             r[0] -= d
@@ -185,9 +184,9 @@ class ClientSlot:
         self._reported = refused
         _I64.pack_into(self.seg.buf, PUB_SEQ_OFF, seq)
         futex.offer(self._ticket)
-        _SEQ_ROWS_T.pack_into(self._prefix, _SEQ_B, seq, arrays[0].shape[0], now, deadline, priority, refused)
-        self._msg = msg = bytes(self._prefix) + layout
-        self.send(msg)
+        self._msg = REQ_PREFIX.pack(REQ_MAGIC, self.seg.fd, self.token, seq, arrays[0].shape[0], self.published,
+                                    deadline, priority, refused) + layout
+        self.send(self._msg)
         return seq
 
     def send(self, msg: bytes, block: bool = False) -> None:
@@ -316,7 +315,7 @@ class ClientSlot:
         """Where the request just read spent its time (time.monotonic seconds): published, batch
         closed, answer written, caller woken, and the rows of its batch."""
         t_close, t_done = _TIMES.unpack_from(self.seg.buf, RESP_OFF + _RS_TCLOSE * 8)   # adjacent words
-        return _F64.unpack_from(self._msg, _T_B)[0], t_close, t_done, self.woken, self._rw[_RS_ROWS]
+        return self.published, t_close, t_done, self.woken, self._rw[_RS_ROWS]
 
     # ------------------------------------------------------------ detach
     def detach(self) -> None:
@@ -335,12 +334,7 @@ class ClientSlot:
         seg.close()
 
 
-_SEQ_B = 16   # offset of seq in REQ_PREFIX: magic u32, fd i32, token u64
-_SEQ_ROWS_T = struct.Struct("<qqddii")   # seq, rows, t_publish, deadline, priority, refused
-_T_B = _SEQ_B + 16
 _REFUSED_B, _REFUSED = REQ_PREFIX.size - 4, struct.Struct("<i")   # the last field of REQ_PREFIX
-assert REQ_PREFIX.unpack(REQ_PREFIX.pack(1, 2, 3, 4, 5, 6.0, 7.0, 8, 9))[3:] == \
-    _SEQ_ROWS_T.unpack_from(REQ_PREFIX.pack(1, 2, 3, 4, 5, 6.0, 7.0, 8, 9), _SEQ_B)
 
 
 # ================================================================ model-process side
