@@ -275,16 +275,15 @@ class SharedModel(Inputs):
                 h = self._reattach(h, deadline)
             slot = h.borrow(self)
             slot.call_timeout, slot.call_start, slot.priority = timeout, t_call, priority
+            slot.cancel = cancel
             if cancel is not None:
-                cancel.watch(slot)
+                cancel.slot = slot
             try:
                 outs, structure, out_names = self._call(h, slot, arrays, deadline, names, positions)
                 break
             except _Resend:
                 continue   # the runtime went away before anyone took the request: its successor
             finally:
-                if cancel is not None:
-                    cancel.unwatch()   # before the slot is lent to another call
                 h.give_back(slot)
         if as_torch:
             torch = sys.modules["torch"]
@@ -422,12 +421,12 @@ class SharedModel(Inputs):
                     self._on_timeout(slot, seq)
             if slot.wait(seq, wait):
                 break
-            if slot.interrupted:
+            cancelled = slot.cancel is not None and slot.cancel.cancelled
+            if slot.interrupted or cancelled:
                 if not slot.withdraw():
                     slot.abandon(seq)
-                if slot.cancelled:   # (_Cancel.unwatch clears the flags before the slot is lent again)
-                    raise RuntimeStopped(f"model {self.name!r}: the awaiting task was cancelled")
-                raise RuntimeStopped(f"SharedModel({self.name!r}) was closed while this call waited")
+                raise RuntimeStopped(f"model {self.name!r}: the awaiting task was cancelled" if cancelled
+                                     else f"SharedModel({self.name!r}) was closed while this call waited")
             self._check_alive(h, slot, seq)
         status, text, structure = slot.response()
         if status != ST_OK:
@@ -569,30 +568,14 @@ class _Cancel:
     the request back if no model process took it yet (it then never reaches the model)."""
 
     def __init__(self):
-        self.slot = None
         self.cancelled = False
-        self._lock = threading.Lock()
-
-    def watch(self, slot: ClientSlot) -> None:
-        with self._lock:
-            self.slot = slot
-            if self.cancelled:
-                slot.interrupted = slot.cancelled = True
-
-    def unwatch(self) -> None:
-        with self._lock:
-            slot, self.slot = self.slot, None
-            if slot is not None:
-                slot.interrupted = slot.cancelled = False
+        self.slot: Optional[ClientSlot] = None   # where the call waits (its slot.cancel is this)
 
     def cancel(self) -> None:
-        with self._lock:
-            self.cancelled = True
-            slot = self.slot
-            if slot is not None:
-                slot.interrupted = slot.cancelled = True
+        self.cancelled = True
+        slot = self.slot
         if slot is not None:
-            slot.wake()
+            slot.wake()   # (lent to another call since, it only wakes that one for a look)
 
 
 class _Resend(Exception):

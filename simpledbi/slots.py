@@ -111,8 +111,8 @@ class ClientSlot:
         self.priority = 0
         self.published = self.woken = 0.0   # when the current request was published, its caller woken
         self.withdrawn = 0          # the last seq taken back before any model process took it
-        self.interrupted = False    # close() from another thread while a call waits here ...
-        self.cancelled = False      # ... or its forward_async task was cancelled
+        self.interrupted = False    # close() from another thread while a call waits here
+        self.cancel = None          # the current call's forward_async cancellation (client._Cancel)
         self._lock = threading.Lock()   # wake() from another thread vs. detach()
         offsets, size = [], DATA_OFFSET
         for s, dt in zip(max_shapes, dtypes):
