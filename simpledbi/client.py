@@ -691,34 +691,31 @@ class _Handles:
                     self.busy.add(slot)
                     return slot
             self.creating += 1  # the shared handles stay open until this one is made
+        slot = None
         try:
             slot = ClientSlot(self.sock, client.max_shapes, client.dtypes, self._send_fd)
-        except BaseException:
+        finally:
             with self.lock:
                 self.creating -= 1
-                last = self.closed and not self.busy and not self.creating
-            if last:
-                self._close_shared()
-            raise
-        with self.lock:
-            self.creating -= 1
-            if not self.closed:
-                self.busy.add(slot)
-                return slot
-            last = not self.busy and not self.creating
-        slot.detach()
-        if last:
-            self._close_shared()
-        raise RuntimeStopped(f"SharedModel({self.name!r}) is closed")
+                if slot is not None:
+                    self.busy.add(slot)
+                closed = self.closed
+            if closed:   # meanwhile: given back at once (None: the slot failed to be made)
+                self.give_back(slot)
+        if closed:
+            raise RuntimeStopped(f"SharedModel({self.name!r}) is closed")
+        return slot
 
-    def give_back(self, slot: ClientSlot) -> None:
+    def give_back(self, slot: Optional[ClientSlot]) -> None:
+        """To the pool; once the handle is closed, detached (the last one out closes the shared handles)."""
         with self.lock:
             self.busy.discard(slot)
             if not self.closed:
                 (self.stale if slot.stale_seq else self.idle).append(slot)
                 return
             last = not self.busy and not self.creating
-        slot.detach()
+        if slot is not None:
+            slot.detach()
         if last:
             self._close_shared()
 
