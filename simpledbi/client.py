@@ -365,18 +365,9 @@ class SharedModel(Inputs):
             with h.lock:
                 slot.refused = [a + b for a, b in zip(slot.refused, h.refused)]
                 h.refused = [0, 0]
+        seq = slot.publish(arrays, names, positions, deadline or 0.0, slot.priority, send=False)
         try:
-            seq = slot.publish(arrays, names, positions, deadline or 0.0, slot.priority)
-            sent = True
-        except BlockingIOError:   # the model's queue is full: wait for room below
-            seq, sent = slot.seq, False
-        except OSError as e:      # the socket is gone: the runtime stopped
-            slot.withdraw()
-            slot.unsent()
-            self._stopped(h, f"the runtime is gone ({e.strerror or e})")
-        try:
-            if not sent:
-                self._send_when_room(h, slot, deadline)
+            self._send(h, slot, deadline)
             return self._await(h, slot, seq, deadline)
         except BaseException:
             # Whatever ended the wait (a typed error, KeyboardInterrupt, ...): a request still
@@ -385,11 +376,23 @@ class SharedModel(Inputs):
                 slot.abandon(seq)
             raise
 
-    def _send_when_room(self, h: "_Handles", slot: ClientSlot, deadline: Optional[float]) -> None:
-        """The model's socket queue was full: wait for room in the kernel (woken alone when a
-        model process takes a datagram), a poll interval at a time, checking between waits that
-        someone is still there to take it."""
+    def _send(self, h: "_Handles", slot: ClientSlot, deadline: Optional[float]) -> None:
+        """Send the request's datagram. While the model's socket queue is full, wait for room in
+        the kernel (woken alone when a model process takes a datagram), a poll interval at a
+        time, checking between waits that someone is still there to take it."""
+        block = False   # the first try returns at once
         while True:
+            try:
+                slot.send(slot._msg, block)
+                return
+            except BlockingIOError:
+                pass
+            except OSError as e:   # the socket is gone: the runtime stopped
+                slot.withdraw()
+                slot.unsent()
+                self._stopped(h, f"the runtime is gone ({e.strerror or e})")
+            if block:
+                self._check_runtime(h, slot)
             wait = self.poll_interval
             if deadline is not None:
                 wait = min(wait, deadline - time.monotonic())
@@ -398,16 +401,7 @@ class SharedModel(Inputs):
                     self._on_timeout(slot, slot.seq, "the model's queue stayed full; the request was "
                                                      "not sent")
             h.set_send_timeout(wait)
-            try:
-                slot.send(slot._msg, block=True)
-                return
-            except BlockingIOError:
-                pass
-            except OSError as e:
-                slot.withdraw()
-                slot.unsent()
-                self._stopped(h, f"the runtime is gone ({e.strerror or e})")
-            self._check_runtime(h, slot)
+            block = True
 
     def _await(self, h: "_Handles", slot: ClientSlot, seq: int, deadline: Optional[float]):
         poll = self.poll_interval

@@ -148,11 +148,10 @@ class ClientSlot:
     # ------------------------------------------------------------ publish
     def publish(self, arrays: Sequence[np.ndarray], names: int = 0,
                 positions: Optional[Tuple[int, ...]] = None, deadline: float = 0.0,
-                priority: int = 0) -> int:
-        """Write the request into the slot and send its datagram; returns its seq. Inputs are
-        positional (``names`` 0), or the declared inputs whose bits ``names`` sets, in ascending
-        order, each in the slot's region ``positions[k]``. Raises BlockingIOError when the
-        model's queue stayed full for the socket's send timeout (the caller retries)."""
+                priority: int = 0, send: bool = True) -> int:
+        """Write the request into the slot and (``send``) send its datagram; returns its seq.
+        Inputs are positional (``names`` 0), or the declared inputs whose bits ``names`` sets, in
+        ascending order, each in the slot's region ``positions[k]``."""
         positions = positions or tuple(range(len(arrays)))
         for x, p in zip(arrays, positions):
             view = self._in_views.get((p, x.shape))
@@ -184,9 +183,10 @@ class ClientSlot:
         self._reported = refused
         _I64.pack_into(self.seg.buf, PUB_SEQ_OFF, seq)
         futex.offer(self._ticket)
-        self._msg = REQ_PREFIX.pack(REQ_MAGIC, self.seg.fd, self.token, seq, arrays[0].shape[0], self.published,
-                                    deadline, priority, refused) + layout
-        self.send(self._msg)
+        self._msg = REQ_PREFIX.pack(REQ_MAGIC, self.seg.fd, self.token, seq, arrays[0].shape[0],
+                                    self.published, deadline, priority, refused) + layout
+        if send:
+            self.send(self._msg)
         return seq
 
     def send(self, msg: bytes, block: bool = False) -> None:
