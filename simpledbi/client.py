@@ -49,21 +49,19 @@ _live_clients: "weakref.WeakSet[SharedModel]" = weakref.WeakSet()
 #: Threads the async waiters may use at most (each waits for one call in flight; threads are
 #: made only when every earlier one is busy, so a process has as many as its peak concurrency).
 _ASYNC_MAX_THREADS = 4096
-_async_pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
-_async_pool_pid = 0
+_async_pool: Tuple[int, Optional[concurrent.futures.ThreadPoolExecutor]] = (0, None)   # (its pid, it)
 _async_pool_lock = threading.Lock()
 
 
 def _async_executor() -> concurrent.futures.ThreadPoolExecutor:
     """The process's executor for ``forward_async``: it grows with the calls in flight, so any
     number of concurrent coroutines can be batched together without sizing anything."""
-    global _async_pool, _async_pool_pid
+    global _async_pool
     with _async_pool_lock:
-        if _async_pool is None or _async_pool_pid != os.getpid():  # a forked child has no threads
-            _async_pool = concurrent.futures.ThreadPoolExecutor(
-                max_workers=_ASYNC_MAX_THREADS, thread_name_prefix="simpledbi-async")
-            _async_pool_pid = os.getpid()
-        return _async_pool
+        if _async_pool[0] != os.getpid():  # (none yet, or the parent's: a forked child has no threads)
+            _async_pool = (os.getpid(), concurrent.futures.ThreadPoolExecutor(
+                max_workers=_ASYNC_MAX_THREADS, thread_name_prefix="simpledbi-async"))
+        return _async_pool[1]
 
 
 def close_all_clients() -> None:
@@ -129,25 +127,19 @@ class SharedModel(Inputs):
         self.connect_timeout = float(connect_timeout)
         #: The priority of calls that give none (higher runs first; NOTE [overload]).
         self.priority = _check_priority(priority)
-        #: The runtime's name when attached by name (re-attached after a restart), else None.
-        self.runtime = None
         if namespace is None and runtime is None:
             namespace = os.environ.get(ENV_NAMESPACE) or None
             runtime = None if namespace else os.environ.get(naming.ENV_RUNTIME) or None
         if namespace is None and runtime is None:
-            running = _running_runtimes()
             raise LookupError("no simpledbi runtime here: this process was not started by "
                               "simpledbi.Run; pass runtime='<name>' (a runtime started with a "
                               "name), namespace=rt.namespace (a Runtime started in this process) "
-                              "or set $" + naming.ENV_RUNTIME
-                              + (f" (running now: {', '.join(running)})" if running else
-                                 " (none is running: start one with `simpledbi serve --name <name>`)"))
+                              "or set $" + naming.ENV_RUNTIME + _running_now(
+                                  " (none is running: start one with `simpledbi serve --name <name>`)"))
         self._args = (max_shape, dtype)
-        if runtime is not None:
-            self.runtime = naming.check_name(runtime)
-            self._h = self._connect()
-        else:
-            self._h = _Handles.open(namespace, name)
+        #: The runtime's name when attached by name (re-attached after a restart), else None.
+        self.runtime = None if runtime is None else naming.check_name(runtime)
+        self._h = _Handles.open(namespace, name) if runtime is None else self._connect()
         self.namespace = self._h.namespace
         self._attach_lock = threading.Lock()
         # The last request of the calling thread -- or asyncio task: every thread and every task
@@ -192,8 +184,8 @@ class SharedModel(Inputs):
                 try:
                     h = _Handles.open(reg.namespace, self.name)
                 except (LookupError, RuntimeError, OSError):
-                    h = None  # still creating its files, or gone again: look once more
-                if h is not None:
+                    pass  # still creating its files, or gone again: look once more
+                else:
                     if h.ctl.state != STARTING:
                         return h
                     # its model processes still load: what the model declares (input shapes,
@@ -202,18 +194,15 @@ class SharedModel(Inputs):
                     h.release()
             left = deadline - time.monotonic()
             if left <= 0:
-                what = "came back" if avoid else "is running"
-                if starting:
-                    what = "finished starting (its model processes were still loading)"
+                what = ("finished starting (its model processes were still loading)" if starting
+                        else "came back" if avoid else "is running")
                 if call_timeout is not None:
                     raise RuntimeUnavailable(
                         f"model {self.name!r}: no result within the timeout ({call_timeout:.3g} s): "
                         f"no simpledbi runtime named {self.runtime!r} {what} meanwhile")
-                running = _running_runtimes()
                 hint = ("raise connect_timeout for a model that loads longer" if starting else
                         f"start it with `simpledbi serve --name {self.runtime} ...` or "
-                        f"Runtime(models, name={self.runtime!r})"
-                        + (f" (running now: {', '.join(running)})" if running else ""))
+                        f"Runtime(models, name={self.runtime!r})" + _running_now())
                 raise RuntimeStopped(f"no simpledbi runtime named {self.runtime!r} {what} within the "
                                      f"connect timeout ({self.connect_timeout:g} s); {hint}")
             # Connecting is rare (start-up, a runtime restart): a short backed-off poll of the
@@ -298,10 +287,9 @@ class SharedModel(Inputs):
         process has taken it yet, else abandons its result (its slot is lent again once the
         answer has arrived)."""
         cancel = _Cancel()
-        if timeout is None and not self._closed:
-            timeout = self._h.default_timeout
+        timeout = self._h.default_timeout if timeout is None else _check_timeout(timeout)
         # the timeout counts from this call, not from when a thread of the pool picks it up
-        deadline = None if timeout is None else time.monotonic() + _check_timeout(timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
 
         def call():   # in a thread of the pool
             left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
@@ -491,7 +479,7 @@ def _overloaded(name: str, why: Refusal, timeout: Optional[float], t_call: float
                 max_queue: Optional[int] = None, waiting: Optional[int] = None) -> Overloaded:
     """The ``Overloaded`` a refused call raises (refused by a model process, or by its client on
     what the model's processes published, ``waiting`` requests: NOTE [overload])."""
-    wait = why.expected_wait + (time.monotonic() - t_call if t_call else 0.0)
+    wait = why.expected_wait + time.monotonic() - t_call
     if why.reason == "deadline":
         expected = (f"about {wait * 1e3:.1f} ms" if wait != float("inf") else
                     "longer than any timeout (higher priorities take all of its capacity)")
@@ -508,8 +496,10 @@ def _overloaded(name: str, why: Refusal, timeout: Optional[float], t_call: float
     return Overloaded(message, why.reason, wait, timeout)
 
 
-def _running_runtimes() -> List[str]:
-    return [r.name for r in naming.list_registrations() if pid_alive(r.pid)]
+def _running_now(none: str = "") -> str:
+    """The runtimes running now, for an error message (``none`` when none is)."""
+    running = [r.name for r in naming.list_registrations() if pid_alive(r.pid)]
+    return f" (running now: {', '.join(running)})" if running else none
 
 
 def _status_error(name: str, status: int, text: str, timeout: Optional[float] = None,
