@@ -578,19 +578,13 @@ class _Handles:
     def __init__(self, namespace: str, name: str, ctl: ControlBlock, sock: socket.socket):
         self.namespace, self.name = namespace, name
         self.ctl, self.sock = ctl, sock
-        self.pid = os.getpid()
-        self.lock = threading.Lock()
-        self.idle: List[ClientSlot] = []
-        self.stale: List[ClientSlot] = []
-        self.busy: set = set()
-        self.creating = 0          # slots being made right now (outside the lock)
+        self._new_pool()
         self.closed = False
         self.gone = False          # its runtime's main process was seen dead
         self._send_fd = not _dumpable()
         self._sndtimeo = -1.0
         self.default_timeout = ctl.default_timeout   # ModelConfig.default_timeout, or None
         self.max_queue = ctl.max_queue               # ModelConfig.max_queue, or None
-        self.refused = [0, 0]   # calls refused here (deadline, queue: NOTE [overload]), not reported yet
 
     @classmethod
     def open(cls, namespace: str, name: str) -> "_Handles":
@@ -662,8 +656,8 @@ class _Handles:
         with self.lock:
             if self.closed:
                 raise RuntimeStopped(f"SharedModel({self.name!r}) is closed")
-            if os.getpid() != self.pid:
-                self._forked()
+            if os.getpid() != self.pid:   # a forked child: the parent's slots are the parent's
+                self._new_pool()
             if self.idle:
                 slot = self.idle.pop()
                 self.busy.add(slot)
@@ -703,12 +697,15 @@ class _Handles:
         if last:
             self._close_shared()
 
-    def _forked(self) -> None:
-        """In a forked child: the parent's slots are the parent's (its calls use them)."""
+    def _new_pool(self) -> None:
+        """This process's empty slot pool (in a forked child too: the parent's calls use its slots)."""
         self.pid = os.getpid()
         self.lock = threading.Lock()
-        self.idle, self.stale, self.busy, self.creating = [], [], set(), 0
-        self.refused = [0, 0]   # the parent reports its own
+        self.idle: List[ClientSlot] = []
+        self.stale: List[ClientSlot] = []   # owed a late answer: lent again once settled()
+        self.busy: set = set()
+        self.creating = 0          # slots being made right now (outside the lock)
+        self.refused = [0, 0]      # calls refused here (deadline, queue: NOTE [overload]), not reported yet
 
     def release(self) -> None:
         """Detach idle slots now, busy ones when their call ends (woken with RuntimeStopped)."""
