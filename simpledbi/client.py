@@ -610,7 +610,7 @@ class _Handles:
             except FileNotFoundError:
                 raise RuntimeError(f"model {name!r}: its request socket {path} is missing (removed "
                                    f"by someone, or the runtime is going away)") from None
-            if ctl.sock_ino and ino != ctl.sock_ino:
+            if ctl.hdr["sock_ino"] and ino != ctl.hdr["sock_ino"]:   # (0: the runtime has not bound it yet)
                 raise RuntimeError(f"model {name!r}: {path} is not the runtime's request socket "
                                    f"(something was bound at its path since)")
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)

@@ -232,11 +232,6 @@ class ControlBlock:
         return cls(seg, held, model_num)
 
     @property
-    def sock_ino(self) -> int:
-        """The inode of the model's request socket, as the runtime bound it (0: not yet)."""
-        return int(self.hdr["sock_ino"])
-
-    @property
     def default_timeout(self) -> Optional[float]:
         """ModelConfig.default_timeout: the timeout of a call that gives none (None: none)."""
         value = float(self.hdr["default_timeout"])
@@ -259,7 +254,7 @@ class ControlBlock:
         return self.all_instances.shape[0]
 
     def active_rows(self) -> range:
-        bank = int(self.hdr["bank"]) & 1
+        bank = self._hdr_words[_HDR_BANK] & 1
         return range(bank * self.model_num, (bank + 1) * self.model_num)
 
     @property
@@ -310,9 +305,9 @@ class ControlBlock:
         batch): (requests waiting in all, the least of their ``newcomer_wait``, the lowest
         priority waiting anywhere). A call that would wait past its deadline, or beyond
         ``max_queue``, is refused by its client, unsent (NOTE [overload])."""
-        w, f, bank = self._inst_words, self._inst_floats, self._hdr_words[_HDR_BANK] & 1
+        w, f = self._inst_words, self._inst_floats
         waiting, best, lowest = 0, None, None
-        for r in range(bank * self.model_num, (bank + 1) * self.model_num):
+        for r in self.active_rows():
             b = r * _I_ROW
             if w[b + _I_STATE] != INST_READY:
                 continue
