@@ -345,10 +345,7 @@ class SharedModel(Inputs):
         if h.ctl.state >= STOPPING:
             self._raise_runtime_state(h)
         if deadline is not None and slot.priority <= 0 or h.max_queue is not None:
-            refused = h.refusal(slot.priority, deadline)
-            if refused is not None:
-                raise _overloaded(self.name, refused[0], slot.call_timeout, slot.call_start, h.max_queue,
-                                  refused[1])
+            h.refuse(slot, deadline)
         if h.refused[0] or h.refused[1]:   # this datagram reports the calls refused here, unsent
             with h.lock:
                 slot.refused = [a + b for a, b in zip(slot.refused, h.refused)]
@@ -625,23 +622,23 @@ class _Handles:
             raise
         return cls(namespace, name, ctl, sock)
 
-    def refusal(self, priority: int, deadline: Optional[float]) -> Optional[Tuple[Refusal, int]]:
-        """Why a call is refused here, unsent, and how many requests wait (NOTE [overload]): while
+    def refuse(self, slot: ClientSlot, deadline: Optional[float]) -> None:
+        """Raise Overloaded if the call in ``slot`` is refused here, unsent (NOTE [overload]): while
         every serving process has requests waiting, it would wait past its ``deadline`` or beyond
-        max_queue (none waiting below its ``priority``). Counted for this handle's next datagram."""
+        max_queue (none waiting below its priority). Counted for this handle's next datagram."""
         seen = self.ctl.backlog()
         if seen is None:
-            return None
+            return
         waiting, wait, lowest = seen
-        if deadline is not None and priority <= 0 and time.monotonic() + wait > deadline:
+        if deadline is not None and slot.priority <= 0 and time.monotonic() + wait > deadline:
             why = Refusal("deadline", wait)   # (first: as a model process decides)
-        elif self.max_queue is not None and waiting >= self.max_queue and priority <= lowest:
+        elif self.max_queue is not None and waiting >= self.max_queue and slot.priority <= lowest:
             why = Refusal("queue", wait)      # it would displace no one waiting
         else:
-            return None
+            return
         with self.lock:
             self.refused[why.reason == "queue"] += 1
-        return why, waiting
+        raise _overloaded(self.name, why, slot.call_timeout, slot.call_start, self.max_queue, waiting)
 
     def set_send_timeout(self, seconds: float) -> None:
         """How long a blocking send waits for room in the model's queue (a kernel wait)."""
