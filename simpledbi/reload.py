@@ -11,7 +11,7 @@ from typing import Optional
 
 from .config import ModelConfig
 from .errors import RuntimeStopped
-from .layout import INST_DEAD, INST_LOADING, INST_RETIRING, RUNNING, STATE_NAMES, ControlBlock
+from .layout import INST_DEAD, INST_LOADING, INST_RETIRING, RUNNING, STATE_NAMES
 from . import sources
 from .supervisor import _exited, _ModelProc
 
@@ -61,7 +61,7 @@ class Reloads:
             with self._lifecycle_lock:
                 if self._stop.is_set():
                     raise RuntimeStopped(f"reload {model!r}: the runtime is stopping")
-                fresh = [self._spawn_model(cfg, i, row=rows[i], standby=True) for i in range(n)]
+                fresh = [self._spawn_model(cfg, i, row=rows[i]) for i in range(n)]
                 self._loading = fresh          # shutdown stops these too
             try:
                 self._await_models(fresh)
@@ -90,9 +90,14 @@ class Reloads:
                     self._restart_at.pop((model, i), None)
                 self.models[idx] = cfg
                 ctl.hdr["bank"] = bank          # the new processes start claiming (await_switch)
-                for m in old:
+                for m in old:   # they claim nothing more, answer what they took and exit
                     m.retiring = True
-                    self._retire(ctl, m)
+                    if ctl.all_instances[m.row]["state"] != INST_DEAD:
+                        ctl.all_instances[m.row]["state"] = INST_RETIRING
+                    ctl.all_instances[m.row]["free"] = 0
+                self._retired.extend(old)   # the supervisor reaps them (_on_model_exit), forgets them
+                with contextlib.suppress(OSError):
+                    os.write(self._wake_w, b"r")   # and watches their exits from now on
             self._wake_model_processes(model, 2 * n)   # old ones see they retire
             logger.info("model %r reloaded%s: %d new process(es) serve; the old ones finish what "
                         "they took", model, f" from {path}" if path else "", n)
@@ -110,16 +115,6 @@ class Reloads:
                     m.proc.terminate()
                     m.proc.join(self.options.join_timeout)
             return cfg
-
-    def _retire(self, ctl: ControlBlock, m: _ModelProc) -> None:
-        """(Under _lifecycle_lock.) Old process ``m`` claims nothing more, answers what it took
-        and exits; the supervisor reaps it (_on_model_exit) and forgets it."""
-        if ctl.all_instances[m.row]["state"] != INST_DEAD:
-            ctl.all_instances[m.row]["state"] = INST_RETIRING
-        ctl.all_instances[m.row]["free"] = 0
-        self._retired.append(m)
-        with contextlib.suppress(OSError):
-            os.write(self._wake_w, b"r")  # the supervisor watches its exit from now on
 
     def _forget(self, m: _ModelProc) -> None:
         """A process that exited and was handled: release its pipe and handle (a long-lived

@@ -176,12 +176,11 @@ class Runtime(Supervision, Reloads, Workers):
                 with contextlib.suppress(OSError):
                     self._janitor_conn.send(msg)
 
-    def _spawn_model(self, cfg: ModelConfig, instance: int, row: Optional[int] = None,
-                     standby: bool = False) -> _ModelProc:
-        """Start model process ``instance`` of ``cfg`` in control-block row ``row`` (default: its
-        row in the serving bank) and make it the current one -- unless ``row`` is given."""
-        current = row is None
-        if current:
+    def _spawn_model(self, cfg: ModelConfig, instance: int, row: Optional[int] = None) -> _ModelProc:
+        """Start model process ``instance`` of ``cfg`` in its row of the serving bank, as the
+        current one; with ``row`` (a reload's), on standby in that row."""
+        standby = row is not None
+        if not standby:
             row = self.ctls[cfg.name].active_rows()[instance]
         parent_end, child_end = self.ctx.Pipe(duplex=False)
         log_r, log_w = self.ctx.Pipe(duplex=False)
@@ -198,7 +197,7 @@ class Runtime(Supervision, Reloads, Workers):
                 self._logs.add(log_r)
                 self._tell_janitor("model", proc.pid)
                 m = _ModelProc(cfg, instance, row, proc, parent_end)
-                if current:
+                if not standby:
                     self.instances[(cfg.name, instance)] = m
         finally:
             child_end.close()
@@ -287,7 +286,7 @@ class Runtime(Supervision, Reloads, Workers):
     def shutdown(self) -> None:
         """Stop everything and remove what this run created. Idempotent. Does nothing in a forked
         process (a pre-fork server's worker, exiting): the runtime is its parent's."""
-        if self._closed:
+        if self._closed or os.getpid() != self._owner:
             return
         restore, terms = {}, []
         if threading.current_thread() is threading.main_thread():   # finish cleaning up first:
@@ -299,10 +298,6 @@ class Runtime(Supervision, Reloads, Workers):
         if self._at_exit is not None:
             atexit.unregister(self._at_exit)
             self._at_exit = None
-        if os.getpid() != self._owner:
-            for sig, handler in restore.items():
-                signal.signal(sig, handler)
-            return
         try:
             self._unregister()  # first: no new client may find a runtime that is going
             self._stop.set()
@@ -330,10 +325,9 @@ class Runtime(Supervision, Reloads, Workers):
                 self._mps_daemon.stop(self.options.join_timeout)
             if self._janitor is not None:
                 self._tell_janitor("done")
-                with self._janitor_lock:
-                    if self._janitor_conn is not None:
-                        self._janitor_conn.close()
-                        self._janitor_conn = None
+                with self._janitor_lock:   # against a reload thread in _tell_janitor
+                    self._janitor_conn.close()
+                    self._janitor_conn = None
                 _join_or_kill(self._janitor, self.options.join_timeout)
             for sig, handler in restore.items():
                 signal.signal(sig, handler)
@@ -350,6 +344,7 @@ class Runtime(Supervision, Reloads, Workers):
                 proc.terminate()
         for proc in self.worker_procs.values():
             _join_or_kill(proc, self.options.join_timeout)
+            proc.close()
         with self._lifecycle_lock:  # a reload thread adds or drops processes only under it
             procs = self.model_procs
         for m in procs:
@@ -366,11 +361,8 @@ class Runtime(Supervision, Reloads, Workers):
                                m.cfg.name, m.instance)
                 m.proc.terminate()
                 _join_or_kill(m.proc, 2)
-        for m in procs:
             m.conn.close()   # idempotent
             m.proc.close()
-        for proc in self.worker_procs.values():
-            proc.close()
 
     def __enter__(self) -> "Runtime":
         return self.start()
