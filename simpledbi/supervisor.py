@@ -110,9 +110,6 @@ class Supervision:
         if ctl.state == STOPPING:
             return
         text = m.describe() + (" while loading" if m.loading else "")
-        if not m.loading:
-            with contextlib.suppress(OSError):
-                m.conn.close()
         row = ctl.all_instances[m.row]
         row["free"] = 0        # a dead process is not an idle peer,
         row["queued"] = 0      # and what it held is answered below: nothing waits there

@@ -28,8 +28,7 @@ class Workers:
                 conns[parent_end] = rank
         results: List[Any] = [None] * worker_num
         reported = set()
-        sentinels = {p.sentinel: r for r, p in self.worker_procs.items()}
-        pending = set(range(worker_num))
+        sentinels = {p.sentinel: r for r, p in self.worker_procs.items()}   # until each exits
 
         def take(conn, rank):
             try:
@@ -44,7 +43,7 @@ class Workers:
                 _, type_name, text, tb = msg
                 raise WorkerError(f"worker {rank} raised {type_name}: {text}", rank, None, type_name, tb)
 
-        while pending:
+        while sentinels:
             if self.broken:
                 name, why = next(iter(self.broken.items()))
                 raise ModelProcessDied(why, self.ctls[name].hdr["broken_code"].item() or None)
@@ -64,7 +63,6 @@ class Workers:
                     if proc.exitcode != 0 and rank not in reported:
                         raise WorkerError(f"worker {rank} (pid {proc.pid}) died with "
                                           f"{exit_how(proc.exitcode)}", rank, proc.exitcode)
-                    pending.discard(rank)
         for conn in conns:
             conn.close()
         return results
