@@ -91,7 +91,10 @@ class LogRelay:
                     try:
                         record = pickle.loads(obj.recv_bytes())
                     except (EOFError, OSError):  # the process exited: its pipe is drained
-                        self._drop(obj)
+                        with self._lock:
+                            if obj in self._conns:   # (close() may have cleared them)
+                                self._conns.remove(obj)
+                        obj.close()
                         continue
                     except Exception:  # noqa: BLE001 - one bad record must not stop the relay
                         logger.debug("dropped an unreadable log record", exc_info=True)
@@ -106,12 +109,6 @@ class LogRelay:
                             break
         except (OSError, ValueError):  # closed under us at shutdown
             pass
-
-    def _drop(self, conn: Connection) -> None:
-        with self._lock:
-            if conn in self._conns:
-                self._conns.remove(conn)
-        conn.close()
 
     def close(self, timeout: float = 2.0) -> None:
         """Relay what the (now stopped) processes left in their pipes, then stop the thread."""
