@@ -85,26 +85,22 @@ def visible_gpu_count() -> int:
     return n
 
 
-def _gpu_of(device: str, ordinal: int, gpus: int) -> Optional[str]:
-    """The CUDA device a model process with ``device`` lands on, None for the CPU. "cuda" and
-    "auto" spread instances over the visible GPUs (engine.resolve_device); "auto" counts as a GPU
-    (the parent never imports torch to check: without a GPU the MPS binary is absent too)."""
-    if device == "cpu":
-        return None
-    return device if ":" in device else f"cuda:{ordinal % max(gpus, 1)}"
-
-
 def wanted(mode: str, models: Sequence) -> Optional[str]:
     """Why this runtime wants MPS, or None. "auto": two or more model processes (of all
-    ``models``, each instance placed by ``ModelConfig.device_of``) share a CUDA device."""
+    ``models``, each instance placed by ``ModelConfig.device_of``) share a CUDA device. "cuda"
+    and "auto" spread instances over the visible GPUs (engine.resolve_device); "auto" counts as a
+    GPU (the parent never imports torch to check: without a GPU the MPS binary is absent too)."""
     if mode == "off":
         return None
     if mode == "on":
         return "mps='on'"
-    gpus = visible_gpu_count()
-    per_gpu = collections.Counter(gpu for cfg in models for i in range(cfg.model_num)
-                                  if (gpu := _gpu_of(cfg.device_of(i), cfg.gpu_ordinal(i), gpus))
-                                  is not None)
+    gpus = max(visible_gpu_count(), 1)
+    per_gpu = collections.Counter()
+    for cfg in models:
+        for i in range(cfg.model_num):
+            device = cfg.device_of(i)
+            if device != "cpu":
+                per_gpu[device if ":" in device else f"cuda:{cfg.gpu_ordinal(i) % gpus}"] += 1
     shared = [f"{n} model processes on {gpu}" for gpu, n in sorted(per_gpu.items()) if n > 1]
     return ", ".join(shared) or None
 
