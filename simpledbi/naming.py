@@ -1,9 +1,8 @@
 """Named runtimes: how a process simpledbi did not start finds a running runtime by name.
 
-A runtime started with ``name="myapp"`` (``simpledbi serve --name myapp``, ``Runtime(models,
-name="myapp")``) writes a *registration* ``sdbi_rt_myapp`` (mode 0600) into its user's private
-*registry directory*, naming the namespace (shm.py) it serves in: with its unguessable random
-part, the namespace has no stable name but this::
+A runtime started with ``name="myapp"`` (``simpledbi serve --name myapp``) writes a
+*registration* ``sdbi_rt_myapp`` (mode 0600) into its user's private *registry directory*: the
+namespace it serves in (shm.py) has an unguessable random part, so no stable name but this::
 
     {"namespace": "sdbi_4242_9f...", "pid": 4242, "models": ["resnet50"], "started": 1.7e9}
 
@@ -24,17 +23,15 @@ first, skipping one that fails the checks (with ``$SIMPLEDBI_DIR`` set, it alone
 the runtime's choice instead would let another user who deletes their squatting directory after
 a runtime fell back to the home directory steer every later client away from that runtime.
 
-Why so. /dev/shm is world-writable: another user can create any fixed name there first (the old
-``/dev/shm/sdbi_rt_<name>``, no longer read or written, as much as ``sdbi_u<uid>``) and keep a
-runtime from starting. In a directory only we can write, nobody else can list, open, create,
-replace or block anything; what is left to defend is its own name, claimed in /dev/shm with
-``mkdir`` (the sticky bit keeps others from renaming or removing it). If someone took it first we
-do not fight: nobody else can create anything in our home. It is never removed (a removed one
-could be taken). ``$XDG_RUNTIME_DIR`` is not used: processes of one user disagree about it (unset
-under sudo, cron, ``docker exec``, a service with ``User=``), and ``/run/user/<uid>`` goes at the
-last logout while a nohup'ed runtime runs on. ``sdbi_u<uid>`` depends on the uid alone; the
-fallback also on the host (a home shared over NFS serves several, and a pid means something
-only on its host).
+Why so. /dev/shm is world-writable: another user can create any fixed name there first (as the
+old ``/dev/shm/sdbi_rt_<name>`` was, or ``sdbi_u<uid>`` is) and keep a runtime from starting. In a
+directory only we can write, nobody else can list, open, create, replace or block anything; what
+is left to defend is its own name, claimed with ``mkdir`` (the sticky bit keeps others from
+renaming or removing it) and never removed (it could be taken). Someone who took it first is not
+fought: nobody else can create anything in our home. Not ``$XDG_RUNTIME_DIR``: processes of one
+user disagree about it (unset under sudo, cron, ``docker exec``, ``User=``), and
+``/run/user/<uid>`` goes at the last logout while a nohup'ed runtime runs on. The fallback also
+names the host: a home shared over NFS serves several, and a pid means something only there.
 
 A directory counts (``_why_not_private``) when it is ours alone, in a parent that others, if they
 can write it, cannot rename it out of (sticky); what we create is ``fchmod``-ed to 0700 after
