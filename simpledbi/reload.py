@@ -43,11 +43,9 @@ class Reloads:
                     kind, source = sources.resolve(os.fspath(path))
                 except (FileNotFoundError, ValueError) as e:
                     raise type(e)(f"reload {model!r}: {e}") from None
-                if kind == "path":
-                    cfg = dataclasses.replace(cfg, path=source, factory=None)
-                else:
-                    cfg = dataclasses.replace(cfg, path=None, factory=sources.ship(
-                        f"model {model!r}: factory", source, self.ctx.get_start_method()))
+                if kind == "factory":
+                    source = sources.ship(f"model {model!r}: factory", source, self.ctx.get_start_method())
+                cfg = dataclasses.replace(cfg, **{"path": None, "factory": None, kind: source})
             ctl = self.ctls[model]
             if ctl.state != RUNNING:
                 raise RuntimeError(f"reload {model!r}: the model is "

@@ -402,7 +402,7 @@ def Run(target: Optional[Callable] = None, worker_num: int = 1, args: Sequence =
         raise TypeError(f"args: expected a tuple, got {type(args).__name__}")
     if kwargs is not None and not isinstance(kwargs, dict):
         raise TypeError(f"kwargs: expected a dict, got {type(kwargs).__name__}")
-    if target is not None and worker_num:
+    if worker_num:
         sources.forget_unreadable_main_file(start_method)   # NOTE [a __main__ that is no file]
         target = sources.ship("Run: target", target, start_method, "worker processes")
     runtime = Runtime(models, options, start_method, name=name)

@@ -118,13 +118,12 @@ def inspect(runtime: Optional[str] = None, *, namespace: Optional[str] = None) -
     """What the runtime named ``runtime`` (or at ``namespace``) is doing right now. Without
     arguments: ``$SIMPLEDBI_RUNTIME``, else the only named runtime of this user. Raises
     LookupError when there is no such runtime."""
-    name = runtime
     if namespace is None:
-        if name is None:
-            name = os.environ.get(naming.ENV_RUNTIME) or _only_runtime()
-        reg = naming.resolve(name)
+        if runtime is None:
+            runtime = os.environ.get(naming.ENV_RUNTIME) or _only_runtime()
+        reg = naming.resolve(runtime)
         if reg is None:
-            raise LookupError(f"no simpledbi runtime named {name!r} is running")
+            raise LookupError(f"no simpledbi runtime named {runtime!r} is running")
         namespace, pid = reg.namespace, reg.pid
         model_names = list(reg.models)
     else:
@@ -144,7 +143,7 @@ def inspect(runtime: Optional[str] = None, *, namespace: Optional[str] = None) -
             pid = pid or int(ctl.hdr["supervisor_pid"])
         finally:
             ctl.close()
-    return RuntimeInfo(name, namespace, pid, pid_alive(pid), models)
+    return RuntimeInfo(runtime, namespace, pid, pid_alive(pid), models)
 
 
 def _only_runtime() -> str:
