@@ -19,8 +19,6 @@ logger = logging.getLogger("simpledbi.runtime")
 
 
 class Reloads:
-    """``Runtime.reload`` (a mixin of Runtime)."""
-
     def reload(self, model: str, path: Optional[str] = None, timeout: float = 60.0) -> ModelConfig:
         """Replace the processes of ``model`` (with the model at ``path`` -- a file, or a factory
         by import path ``"module:function"`` -- else the same source loaded again) without failing

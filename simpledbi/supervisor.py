@@ -51,8 +51,6 @@ def _exited(m: _ModelProc) -> bool:
 
 
 class Supervision:
-    """The supervisor thread's work (a mixin of Runtime)."""
-
     def _supervise_models(self) -> None:
         """The supervisor thread: restarts and broken models. Never raises."""
         while not self._stop.is_set():
