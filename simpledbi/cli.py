@@ -32,7 +32,7 @@ _MODEL_FLAGS = ("max_batch_size", "model_num", "wait_time", "latency_target", "d
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
-    if not getattr(args, "command", None):
+    if not args.command:
         parser.print_help()
         return 2
     try:
@@ -76,8 +76,8 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--mps", choices=("auto", "on", "off"))
     s.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port "
                    "(needs the metrics extra: pip install 'simpledbi[metrics]')")
-    s.add_argument("--metrics-addr", default=None, help="address for /metrics (default 0.0.0.0)")
-    s.add_argument("--drain-timeout", type=float, default=None,
+    s.add_argument("--metrics-addr", help="address for /metrics (default 0.0.0.0)")
+    s.add_argument("--drain-timeout", type=float,
                    help="seconds to finish accepted requests at SIGTERM (default 30)")
     s.add_argument("--log-level", default="INFO")
     s.set_defaults(func=_serve)

@@ -130,8 +130,8 @@ def _stale(pipe_dir: str) -> bool:
 
 
 class PrivateDaemon:
-    """One MPS control daemon of ours, in its own directory; rebuilt from (control, directory)
-    by the janitor, so :meth:`stop` needs nothing else."""
+    """One MPS control daemon of ours in its own directory: (control, directory) is all that
+    :meth:`stop` needs, so the janitor rebuilds it from those."""
 
     def __init__(self, control: str, directory: str):
         self.control, self.directory = control, directory
@@ -264,11 +264,10 @@ def wait_exit(pinned: Dict[int, int], timeout: float) -> Dict[int, int]:
 
 def start_for(mode: str, models: Sequence, adopt: Callable[[PrivateDaemon], None],
               timeout: float = ANSWER_TIMEOUT) -> MpsStatus:
-    """Start a private daemon if ``mode`` and the placement of ``models`` want one. ``adopt``
-    gets it before it starts, so whoever cleans up knows its directory even if start-up is
-    interrupted. Where MPS is wanted but cannot be had, one log line says why and the runtime goes
-    on without it -- except with ``mode="on"``, which raises RuntimeError when the daemon cannot be
-    started (a foreign daemon that already serves the children is fine)."""
+    """Start a private daemon if ``mode`` and the placement of ``models`` want one; ``adopt`` gets
+    it before it starts, so whoever cleans up knows its directory even if start-up is interrupted.
+    Wanted but not to be had: one log line says why and the runtime goes on without it; with
+    ``mode="on"``, RuntimeError (a foreign daemon that already serves the children is fine)."""
     why = wanted(mode, models)
     if why is None:
         return MpsStatus("off", f"mps={mode!r}" + (": no CUDA device has two model processes"
