@@ -27,8 +27,6 @@ class Admission:
         self._fail, self._count = fail, count
         self._all, self._floats = words(ctl.all_instances), words(ctl.all_instances, "d")
         self._mine = row * _ROW_WORDS
-        #: Callers send deadlines: keep taking requests off the socket while the device runs a
-        #: batch, so that refusals come at once (ModelServer._await_device).
         self.deadlines_seen = False
         self.priorities_seen = False
         self.alone = ctl.model_num == 1
@@ -43,15 +41,16 @@ class Admission:
         return self.deadlines_seen or self.limits.max_queue is not None
 
     def takes_more(self, limit: int) -> bool:
-        """Take requests off the socket beyond the next batch and one more (``limit`` rows)? When, NOTE
-        [overload] says. Not with several processes for fair turns or deadlines alone: what one takes,
-        the others cannot (measured on an H200: 256 callers got half the throughput, and with deadlines
-        the p99 at capacity tripled; Intake.hand_back only evens it out a few requests at a time). With
-        deadlines, within a batch of the least loaded peer: past capacity every backlog then grows, so
-        more is refused when taken and every process publishes a queue for clients to refuse by; below
-        capacity none holds more than a batch beyond what an idle peer would take (ResNet-50 at 2x on an
-        H100, run 35: refusals within 1 ms went from 0.4-2.7% to 4-10%; most still come tens of ms after
-        the call, from requests that waited in the socket's queue or blocked sending to it)."""
+        """Take requests off the socket beyond the next batch and one more (``limit`` rows)? Always for
+        the model's only process, when callers send priorities, or the queue is bounded. Not with several
+        processes for fair turns or deadlines alone: what one takes, the others cannot (H200: 256 callers
+        got half the throughput, and with deadlines the p99 at capacity tripled; Intake.hand_back evens
+        it out only a few requests at a time). With deadlines, while within a batch of the least loaded
+        peer's backlog: past capacity every backlog then grows, so more is refused when taken and every
+        process publishes a queue for clients to refuse by; below capacity none holds more than a batch
+        beyond what an idle peer would take (ResNet-50 at 2x on an H100, run 35: refusals within 1 ms went
+        from 0.4-2.7% to 4-10%; most still come tens of ms after the call, from requests that waited in
+        the socket's queue or blocked sending to it)."""
         return self.alone or self.priorities_seen or self.limits.max_queue is not None or (
             self.deadlines_seen and len(self.backlog) < min(self._peer_queues(), default=0) + limit)
 
@@ -73,10 +72,7 @@ class Admission:
             if why is not None:   # (first: a request that cannot make it displaces no one)
                 self.refuse([req], why)
                 return False
-        # max_queue: only a request that would wait here counts -- one the batch being
-        # collected has room for goes at once, whatever waits at the other processes
-        if self.limits.max_queue is not None and len(self.backlog) >= self.room and \
-                queue_full(self.limits, self.waiting()) and not self._drop_abandoned():
+        if self._full() and not self._drop_abandoned():
             victim = self.backlog.lowest() if self.backlog else None
             if victim is None or victim.priority >= req.priority:
                 self.refuse([req], Refusal("queue"))
@@ -86,6 +82,12 @@ class Admission:
         if self.priorities_seen:
             self.arrivals.add(req.priority, req.rows, req.t_seen)
         return True
+
+    def _full(self) -> bool:
+        """``max_queue`` reached? Only a request that would wait here counts: one the batch being
+        collected has room for goes at once, whatever waits at the other processes."""
+        return self.limits.max_queue is not None and len(self.backlog) >= self.room and \
+            queue_full(self.limits, self.waiting())
 
     def waiting(self) -> int:
         """Requests waiting across the model's serving processes -- taken, and beyond what the
@@ -133,7 +135,7 @@ class Admission:
             self.backlog.remove(r)
         if gone:
             self._answer_gone(gone)
-        return bool(gone) and not (len(self.backlog) >= self.room and queue_full(self.limits, self.waiting()))
+        return bool(gone) and not self._full()
 
     def _without(self, batch: List[Request], dropped: List[Request]) -> List[Request]:
         """``batch`` less ``dropped`` (answered already), whose rows are no longer in progress."""

@@ -3,68 +3,62 @@ processes, no shared memory), so each decision is unit-tested directly.
 
 NOTE [overload]
 ---------------
-Past capacity, a queue only grows: every caller waits longer, and work whose caller gave up still runs. A
-model process therefore decides, for each request it takes from the socket:
+Past capacity a queue only grows: every caller waits longer, and work whose caller gave up still runs. So
+for each request it takes from the socket, a model process decides:
 
-* **Deadline.** A request that carries a deadline (its call's ``timeout``, or the model's
-  ``default_timeout``) and cannot be answered in time -- given the rows that would run before it and what
-  this process learned a row costs under load (:class:`ServiceRate`) -- is refused at once with
-  ``Overloaded``, before it costs anything. At batch close, a request that would finish after its deadline
-  is refused too: nothing runs for a caller that will not read it.
+* **Deadline.** A request with a deadline (its call's ``timeout``, or the model's ``default_timeout``) that
+  cannot be answered in time -- given the rows that would run before it and what a row costs this process
+  under load (:class:`ServiceRate`) -- is refused at once with ``Overloaded``, before it costs anything. At
+  batch close, one that would finish after its deadline is refused too: nothing runs for a caller that will
+  not read it.
 * **Queue bound.** ``max_queue`` requests waiting across the model's processes: a newcomer is refused,
   unless it outranks a waiting one, which is refused in its place.
-* **Order.** Higher ``priority`` first. Within a priority, clients (kernel pids: threads and handles of one
-  process are one client) take turns by rows: a request's place is the rows its own client has waiting ahead
-  of it (start-time fair queueing with equal weights), ties by arrival. A client with one request waiting
-  goes before a client's 64th, however many threads sent them. And since a client with one call in flight
-  sends its next only once answered, the batch after it holds room for it (up to ``wait_time``;
+* **Order.** Higher ``priority`` first. Within a priority, clients (kernel pids: a process's threads and
+  handles are one client) take turns by rows: a request's place is the rows its own client has waiting
+  ahead of it (start-time fair queueing, equal weights), ties by arrival. And since a client with one call
+  in flight sends its next only once answered, the batch after it holds room for it (up to ``wait_time``;
   ModelServer._expect_returns): else a busier client's second turn would take its place every other batch.
 
-To see what waits, a model process takes every queued datagram off the socket when it is the model's only
-process, callers send priorities or the queue is bounded (a request still in the kernel's queue gets no turn
-and no refusal); with several processes and callers that set deadlines, while its backlog is within a batch
-of its least loaded peer's; otherwise one batch ahead, since what one process takes the others cannot
-(Admission.takes_more; Intake.hand_back gives an idle peer what a busy one holds beyond its next batch).
-With deadlines, or ``max_queue`` set, it keeps taking them while the device runs a batch (a CPU model's
-forward pass then runs on a helper thread) unless a peer is idle: with one model process most refusals come
-within a fraction of a millisecond of the call (with several, what waits in the socket's queue is refused
-only once taken: README, Known limits).
+A request still in the kernel's queue gets no turn and no refusal, but what one process takes off the socket
+its peers cannot: how far ahead a process takes is Admission.takes_more's (Intake.hand_back gives an idle
+peer what a busy one holds beyond its next batch). With deadlines, or ``max_queue`` set, it keeps taking
+while the device runs a batch (a CPU model's forward pass then runs on a helper thread) unless a peer is
+idle: with one model process most refusals come within a fraction of a millisecond of the call (with
+several, what waits in the socket's queue is refused only once taken: README, Known limits).
 
 **The client refuses first when it can.** Each model process publishes in its instance row how many requests
-wait there, their lowest priority and how long a newcomer at default priority would wait (``newcomer_wait``,
-the same estimate). While every serving process has requests waiting, a call at priority <= 0 whose timeout
-is shorter than the least of those waits, or one that finds ``max_queue`` waiting, none of them below its
-priority, is refused by its client, never sent (ControlBlock.backlog): with several processes, a request
-left in the kernel's queue -- or its client blocked sending to a full one -- would otherwise learn its fate
-only once a process took it. Its handle's next datagram carries the count, and the process that takes it
-adds them to ``rejected`` (stats, status, Prometheus). A call of higher priority, or one a process could
-start in its next batch, is always sent.
+wait there, their lowest priority and how long a newcomer at default priority would wait (``newcomer_wait``).
+While every serving process has requests waiting, a call at priority <= 0 whose timeout is shorter than the
+least of those waits, or one that finds ``max_queue`` waiting, none below its priority, is refused by its
+client, never sent (ControlBlock.backlog): else a request left in the kernel's queue, or its client blocked
+sending to a full one, would learn its fate only once a process took it. Its handle's next datagram carries
+the count, added to ``rejected`` (stats, status, Prometheus). A call of higher priority, or one a process
+could start in its next batch, is always sent.
 """
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import dataclass
 from heapq import heappop, heappush
 from typing import Dict, List, Optional, Tuple
 
 from .batching import RateMeter
 
-#: Learned rates follow this many batches (an exponential average): fewer, and one slow batch
-#: makes a model process refuse work it could do; more, and a slowdown (a neighbour on the GPU)
-#: takes that many batches to show.
+#: Learned rates follow this many batches (an exponential average): fewer, and one slow batch makes a
+#: process refuse work it could do; more, and a slowdown (a neighbour on the GPU) takes that long to show.
 _MEMORY = 20.0
-#: A sample of the service rate is taken only from batches closed this soon after the previous
-#: one: a longer gap means the process was idle, and idle time is not a cost of rows.
+#: A service-rate sample needs a batch closed this soon after the previous one: a longer gap means the
+#: process was idle, and idle time is not a cost of rows.
 _IDLE_GAP = 0.5
-#: A batch's latency counts at most this many times the learned one: a single stall (the first
-#: batch of a new size, a pause) must not make a process refuse for seconds what it answers in
-#: milliseconds (measured on an H100: a cold start refused 73% of a half load); a real slowdown
-#: still shows, each batch moving the estimate by up to (4 - 1) / _MEMORY = 15%.
+#: A batch's latency counts at most this many times the learned one: one stall (a new batch size, a
+#: pause) must not make a process refuse for seconds what it answers in milliseconds (H100: a cold start
+#: refused 73% of a half load); a real slowdown still moves the estimate up to (4 - 1) / _MEMORY a batch.
 _OUTLIER = 4.0
-#: A batch answered in under this fraction of the learned latency (or at over its inverse times the learned
-#: rate) means the process changed pace (a device warmed up, a neighbour left): the estimate moves halfway
-#: there at once, and its spread halves. An estimate too high sustains itself (its refusals stop the batches
-#: that would correct it; measured, CPU echo warmed up at 150 ms a batch, then 10 ms: 0% of a 2x load
-#: answered over the next 4 s); one too low is corrected by the batches it lets run.
+#: A batch answered in under this fraction of the learned latency (or over its inverse times the learned
+#: rate) means the pace changed (a device warmed up, a neighbour left): the estimate moves halfway there at
+#: once. An estimate too high sustains itself, its refusals stopping the batches that would correct it (CPU
+#: echo warmed up at 150 ms a batch, then 10 ms: 0% of a 2x load answered over the next 4 s); one too low is
+#: corrected by the batches it lets run.
 _CHANGED_PACE = 0.5
 
 REASONS = ("deadline", "queue")
@@ -91,10 +85,11 @@ class Refusal:
     @classmethod
     def parse(cls, text: str) -> "Refusal":
         reason, _, wait = text.partition("\n")
+        reason = reason if reason in REASONS else "queue"
         try:
-            return cls(reason if reason in REASONS else "queue", max(float(wait), 0.0))
+            return cls(reason, max(float(wait), 0.0))
         except ValueError:
-            return cls(reason if reason in REASONS else "queue")
+            return cls(reason)
 
 
 class ServiceRate:
@@ -166,14 +161,10 @@ class PriorityArrivals:
     few hundred Poisson arrivals at the loads where it matters, short enough to follow a burst."""
 
     def __init__(self, tau: float = 1.0):
-        self.tau = tau
-        self._meters: Dict[int, RateMeter] = {}
+        self._meters: Dict[int, RateMeter] = defaultdict(lambda: RateMeter(tau))
 
     def add(self, priority: int, rows: int, now: float) -> None:
-        m = self._meters.get(priority)
-        if m is None:
-            m = self._meters[priority] = RateMeter(self.tau)
-        m.add(rows, now)
+        self._meters[priority].add(rows, now)
 
     def above(self, priority: int, now: float) -> float:
         """Rows per second arriving at priorities higher than ``priority``."""
@@ -276,10 +267,7 @@ class Backlog:
         before = c[1]
         c[0] += sign * r.rows
         c[1] += sign
-        if before < 2 <= c[1]:
-            self.repeats += 1
-        elif c[1] < 2 <= before:
-            self.repeats -= 1
+        self.repeats += (c[1] >= 2) - (before >= 2)
         if c[1] == 0:
             del self._client[key]
             self._finish.pop(key, None)   # an idle client starts again at the virtual time
@@ -310,9 +298,8 @@ class Backlog:
 
     def lowest(self):
         """The request a higher-priority newcomer displaces: the newest of the lowest priority."""
-        live = [e for e in self._heap if id(e[3]) not in self._gone]
-        low = min(-e[0] for e in live)
-        return max((e for e in live if -e[0] == low), key=lambda e: e[2])[3]
+        live = (e for e in self._heap if id(e[3]) not in self._gone)
+        return max(live, key=lambda e: (e[0], e[2]))[3]   # (-priority, arrival)
 
 
 def admit(now: float, deadline: float, rows_ahead: int, rate: ServiceRate,
