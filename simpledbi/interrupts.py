@@ -20,7 +20,6 @@ import contextlib
 import signal
 import threading
 from multiprocessing import resource_tracker
-from typing import Optional
 
 _SIGINT = {signal.SIGINT}
 
@@ -32,49 +31,24 @@ def children_deaf_to_ctrl_c():
     # multiprocessing starts its resource tracker with the first spawned child, unblocking SIGINT
     # when done: start it first, or that child would begin with SIGINT unblocked
     resource_tracker.ensure_running()
-    held = _HeldCtrlC.install()
+    # The main thread's handler records a Ctrl-C meanwhile. Nothing to hold elsewhere (Python runs
+    # handlers in the main thread only), nor when SIGINT is ignored or handled outside Python.
+    previous, pending = None, []
+    if threading.current_thread() is threading.main_thread() and \
+            signal.getsignal(signal.SIGINT) not in (None, signal.SIG_IGN):
+        previous = signal.signal(signal.SIGINT, lambda signum, frame: pending.append(signum))
     old = signal.pthread_sigmask(signal.SIG_BLOCK, _SIGINT)
     try:
         yield
     finally:
         # unblocking delivers a SIGINT the kernel kept pending, to the recorder still installed
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
-        if held is not None:
-            held.release()
-
-
-class _HeldCtrlC:
-    """The main thread's SIGINT handler, replaced for a while by one that only records."""
-
-    def __init__(self, previous):
-        self.previous = previous
-        self.pending = False
-
-    @classmethod
-    def install(cls) -> "Optional[_HeldCtrlC]":
-        """None where nothing is to hold: not the main thread (Python runs handlers there only),
-        or SIGINT ignored or handled outside Python."""
-        if threading.current_thread() is not threading.main_thread():
-            return None
-        previous = signal.getsignal(signal.SIGINT)
-        if previous is None or previous == signal.SIG_IGN:
-            return None
-        held = cls(previous)
-        signal.signal(signal.SIGINT, held._record)
-        return held
-
-    def _record(self, signum, frame) -> None:
-        self.pending = True
-
-    def release(self) -> None:
-        """Put the handler back; if a Ctrl-C came meanwhile, hand it over now."""
-        signal.signal(signal.SIGINT, self.previous)
-        if not self.pending:
-            return
-        if callable(self.previous):
-            self.previous(signal.SIGINT, None)   # default_int_handler: KeyboardInterrupt
-        else:                                    # SIG_DFL: the process ends, as it would have
-            signal.raise_signal(signal.SIGINT)
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
+            if pending and callable(previous):
+                previous(signal.SIGINT, None)   # default_int_handler: KeyboardInterrupt
+            elif pending:                       # SIG_DFL: the process ends, as it would have
+                signal.raise_signal(signal.SIGINT)
 
 
 def child_signals() -> None:
