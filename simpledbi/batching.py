@@ -1,31 +1,29 @@
-"""The batching policy: when to close a batch, as pure functions of (the batch so far, now,
-learned costs, limits), so its decisions are unit-tested directly.
+"""The batching policy: when to close a batch, as pure functions of (the batch so far, now, learned
+costs, limits), so its decisions are unit-tested directly.
 
 NOTE [adaptive batching]
 ------------------------
-A fixed "wait up to ``wait_time`` for more" doubles latency at low load and buys nothing when the
-device would otherwise idle. Instead each model process learns, per item shape, what a batch of
-``n`` rows costs (``CostModel``: a decayed least-squares fit ``cost(n) = fixed + per_row * n``),
-how fast rows arrive (``RateMeter``) and how soon an answered client sends again (its
-``turnaround``), and asks :func:`decide` whenever something changes:
+A fixed "wait up to ``wait_time`` for more" doubles latency at low load and buys nothing when the device
+would otherwise idle. Instead each model process learns, per item shape, what a batch of ``n`` rows costs
+(``CostModel``: ``fixed + per_row * n``), how fast rows arrive (``RateMeter``) and how soon an answered
+client sends again (its ``turnaround``), and asks :func:`decide` whenever something changes:
 
-* close at once when the batch is full, when rows of its kind wait that did not fit, when no
-  attached client could send another request, when its oldest request has waited ``wait_time``
-  (an upper bound, not the usual delay), or when waiting longer would break ``latency_target``;
+* close at once when the batch is full, when rows of its kind wait that did not fit, when no attached
+  client could send another request, when its oldest request has waited ``wait_time`` (an upper bound,
+  not the usual delay), or when waiting longer would break ``latency_target``;
 * while the device still runs the previous batch, keep collecting: it could not start earlier;
-* otherwise wait only if it pays. For clients just answered (a closed loop): up to
-  ``_TURNAROUND_FACTOR`` turnarounds after the newest arrival (a client in an open loop thinks
-  between requests: its turnaround is long, so nobody waits). For the arrival ``rate``: running
-  the ``b`` rows here now and the ``k = rate * w`` arriving during a wait ``w`` as a batch of
-  their own costs one more ``fixed``; waiting delays the ``b`` rows by ``w`` (and their batch by
-  ``per_row`` per newcomer). The latency saved, ``k * (fixed - w) - b * (w + per_row * k)``, is
-  positive only if ``fixed > b / rate + b * per_row`` and largest at
-  ``w* = (fixed - b / rate - b * per_row) / 2``. So at low load a request runs at once, and under
-  load with a large fixed cost (launch-bound models) the batch waits a fraction of that cost.
+* otherwise wait only if it pays. For clients just answered (a closed loop): up to ``_TURNAROUND_FACTOR``
+  turnarounds after the newest arrival (an open-loop client thinks between requests: its turnaround is
+  long, so nobody waits). For the arrival ``rate``: running the ``b`` rows now and the ``k = rate * w``
+  arriving during a wait ``w`` in a batch of their own costs one more ``fixed``; waiting delays the ``b``
+  rows by ``w`` (and their batch by ``per_row`` per newcomer). The latency saved, ``k * (fixed - w) - b *
+  (w + per_row * k)``, is positive only if ``fixed > b / rate + b * per_row`` and largest at ``w* = (fixed
+  - b / rate - b * per_row) / 2``. So at low load a request runs at once, and under load with a large
+  fixed cost (launch-bound models) the batch waits a fraction of that cost.
 
-A ``latency_target`` also caps a batch (:func:`row_limit`) at what fits in half the target (a
-request may wait for the batch ahead and then run in its own), unless batches that small could
-not keep up with the arrivals. Which requests a batch takes, in which order, is holding.py's."""
+A ``latency_target`` also caps a batch (:func:`row_limit`) at what fits in half the target (a request may
+wait for the batch ahead and then run in its own), unless batches that small could not keep up with the
+arrivals. Which requests a batch takes, in which order, is holding.py's."""
 from __future__ import annotations
 
 import math
@@ -54,8 +52,8 @@ class Policy:
 
 
 class Snapshot(NamedTuple):
-    """The batch a model process is collecting. (A NamedTuple, made once per decision: a frozen
-    dataclass costs several times as much to build.)"""
+    """The batch a model process is collecting (a NamedTuple: made once per decision, a frozen
+    dataclass costs several times as much)."""
 
     rows: int            # rows in the batch so far (>= 1)
     oldest: float        # publish time of its oldest request (time.monotonic)
@@ -182,7 +180,7 @@ class RateMeter:
     def __init__(self, tau: float = 0.25):
         self.tau = tau
         self._count = 0.0
-        self._t = None
+        self._t = -math.inf   # (the first decay leaves the count at 0)
 
     def add(self, rows: int, now: float) -> None:
         self._decay(now)
@@ -193,7 +191,6 @@ class RateMeter:
         return self._count / self.tau
 
     def _decay(self, now: float) -> None:
-        if self._t is not None and now > self._t:
+        if now > self._t:
             self._count *= math.exp((self._t - now) / self.tau)
-        if self._t is None or now > self._t:
             self._t = now

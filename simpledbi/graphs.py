@@ -1,6 +1,5 @@
-"""CUDA graphs and batch sizes, in a model process: which graphs to capture (off the serving
-thread), and which batch size to run an eager batch at (NOTE [first batch of a size]). A part of
-:class:`simpledbi.engine.Engine`, in a module of its own."""
+"""CUDA graphs and batch sizes, a part of :class:`simpledbi.engine.Engine`: which graphs to capture (off
+the serving thread), and which batch size to run an eager batch at (NOTE [first batch of a size])."""
 from __future__ import annotations
 
 import logging
@@ -20,11 +19,10 @@ MAX_GRAPH_SIGNATURES = 4
 #: Eager batches of one (item signature, graph bucket) before its graph is captured.
 GRAPH_AFTER_BATCHES = 3
 #: An eager forward pass that takes at least this fraction of its device time to enqueue (averaged over
-#: batches) marks a launch-bound model: the device waits on the Python thread for much of each batch, and a
-#: graph replay enqueues it in tens of microseconds; cuda_graphs="auto" then captures large batches too.
-#: Measured on an H200: ResNet-18 at 112x112 ~1 (graphs took it from 0.49x to 0.72x of plain PyTorch),
-#: ResNet-50 at 224x224 beside 128 busy clients ~0.6 (its graphs halved the p99 at the same throughput); a
-#: model whose forward pass is one long kernel stays far below (docs/BENCHMARKS.md run 38).
+#: batches) marks a launch-bound model: the device waits on the Python thread, while a graph replay enqueues
+#: in tens of microseconds, so cuda_graphs="auto" then captures large batches too. H200: ResNet-18 at
+#: 112x112 ~1 (graphs: 0.49x -> 0.72x of plain PyTorch), ResNet-50 beside 128 busy clients ~0.6 (graphs
+#: halved the p99); one long kernel stays far below (docs/BENCHMARKS.md run 38).
 LAUNCH_BOUND = 0.5
 #: A new batch size is padded to one already run until the padding rows spent on it reach this
 #: many full batches (about the first-run cost of a size, NOTE [first batch of a size]).
@@ -54,15 +52,14 @@ class GraphsAndSizes:
         self._graph_pool = None
         self._capturer: Optional[_Capturer] = None
         self.graph_total = 0                         # graphs ready (the instance row shows it)
-        # NOTE [first batch of a size]: the first forward pass of a new batch size costs far more than
-        # the next (cuDNN plans per shape, per thread: 33-54 ms against 4-5 ms for ResNet-50 on an
-        # H200, experiments/first_batch_cost.py): 50 ms stalls in the tail at 128 workers. So an eager
-        # batch of a size not run here yet is padded up to the smallest size that was (padding rows
-        # never reach a caller; rows are independent, as for CUDA graphs), and the new size is run once
-        # on zeros when the process is quiet. Under constant load a size runs as itself once its
-        # padding rows add up to PAD_BUDGET_BATCHES full batches: a rare size stays padded, a frequent
-        # one is bought within a few batches (padding every new size for good took the 90%-load
-        # median from 3.9 to 11.4 ms, docs/BENCHMARKS.md run 17).
+        # NOTE [first batch of a size]: a new batch size's first forward pass costs far more than the
+        # next (cuDNN plans per shape, per thread: 33-54 ms against 4-5 ms for ResNet-50 on an H200,
+        # experiments/first_batch_cost.py): 50 ms stalls in the tail at 128 workers. So an eager batch
+        # of a size not run here yet is padded up to the smallest size that was (rows are independent,
+        # as for CUDA graphs), and the new size runs once on zeros when the process is quiet. Under
+        # constant load a size runs as itself once its padding rows add up to PAD_BUDGET_BATCHES full
+        # batches: a rare size stays padded, a frequent one is bought within a few batches (padding
+        # every new size for good took the 90%-load median from 3.9 to 11.4 ms, BENCHMARKS.md run 17).
         self._sizes_run: Dict[tuple, set] = {}     # signature -> eager batch sizes run here
         self._size_todo: List[tuple] = []          # (signature, size) to run once when quiet
         self._pad_waste: Dict[tuple, int] = {}     # (signature, size) -> padding rows spent on it
@@ -210,14 +207,13 @@ class _Graph:
 
 
 class _Capturer:
-    """NOTE [graphs captured off the serving thread]: capturing a CUDA graph means running the new
-    size eagerly first (its cuDNN plans, 30-50 ms for ResNet-50 on an H200), then recording it.
-    Between batches that stalled every caller queued behind; waiting for an idle moment, a busy
-    process never captured, and its small batches stayed eager and launch-bound (the 75-90% load
-    tail, docs/BENCHMARKS.md). So one thread per model process captures, on its own stream in
-    thread-local capture mode, while the serving thread keeps launching and takes each finished
-    graph between two batches. Captures share one memory pool and run one at a time; only the
-    serving thread replays, so graphs never run concurrently (the pool's condition). Costs: the
+    """NOTE [graphs captured off the serving thread]: capturing a CUDA graph means running the new size
+    eagerly first (its cuDNN plans, 30-50 ms for ResNet-50 on an H200), then recording it. Between
+    batches that stalled every caller queued behind; waiting for an idle moment, a busy process never
+    captured, and its small batches stayed eager and launch-bound (the 75-90% load tail). So one thread
+    per model process captures, on its own stream in thread-local capture mode, and the serving thread
+    takes each finished graph between two batches. Captures share one memory pool and run one at a time;
+    only the serving thread replays, so graphs never run concurrently (the pool's condition). Costs: the
     model is called from two threads at once (inference only), and warm-up runs take GPU time."""
 
     def __init__(self, engine):

@@ -34,10 +34,9 @@ def _normalize_shapes(max_shape) -> Tuple[Tuple[int, ...], ...]:
 
 
 def _client_inputs(model: str, ctl: ControlBlock, max_shape, dtype):
-    """This client's (max_shapes, dtypes, input names): as given, else as the model declares
-    them (rows: its max_batch_size; dtype: float32 where undeclared) in its control block
-    (published before it was RUNNING; empty where it declares none, or not yet). A dtype that
-    contradicts the declared one is refused here, not by the model process later."""
+    """This client's (max_shapes, dtypes, input names): as given, else as the model declares them in
+    its control block (rows: its max_batch_size; dtype: float32 where undeclared; no names where it
+    declares none, or not yet). A dtype that contradicts the declared one is refused here."""
     names, shapes, decl_dtypes = ctl.declared()
     decl_dtypes, max_batch = tuple(map(np.dtype, decl_dtypes)), int(ctl.hdr["max_batch"])
     if max_shape is None:
@@ -88,7 +87,6 @@ class Inputs:
     def _set_inputs(self, h) -> None:
         """This client's max_shapes, dtypes and input names (_client_inputs)."""
         self.max_shapes, self.dtypes, self.input_names = _client_inputs(self.name, h.ctl, *self._args)
-        self.max_rows = self.max_shapes[0][0]
         self._fits: set = set()   # (position, shape) of inputs that fit max_shapes (_check_shape)
         self._name_index = {n: j for j, n in enumerate(self.input_names)}
 

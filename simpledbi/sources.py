@@ -82,14 +82,14 @@ def unguarded_start(start_method: str) -> Optional[Tuple[str, int]]:
     the script and would run that line again -- multiprocessing then fails in each child with a
     long traceback. None when the line is guarded, or there is no script."""
     main = sys.modules.get("__main__")
-    path = _main_file(main) if start_method != "fork" and main is not None else None
+    path = _main_file(main) if start_method != "fork" else None
     name = getattr(getattr(main, "__spec__", None), "name", None) or ""
-    if name == "__main__" or name.endswith(".__main__"):
-        return None   # python -m package: multiprocessing leaves such a main alone
+    if path is None or name == "__main__" or name.endswith(".__main__"):
+        return None   # (python -m package: multiprocessing leaves such a main alone)
     frame = sys._getframe(1)
     while frame is not None and not (frame.f_globals is vars(main) and frame.f_code.co_name == "<module>"):
         frame = frame.f_back
-    if path is None or frame is None:
+    if frame is None:
         return None
     try:
         with open(path, "rb") as f:
