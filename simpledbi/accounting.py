@@ -74,8 +74,7 @@ class Accounting:
         for h, ns in ((h_compute, int((t_end - t_close) * 1e9)), (h_lat, lat_ns), (h_queue, queue_ns)):
             total_ns = h[H_SUM] + ns
             h[H_SUM] = total_ns if total_ns < _I64_MAX else _I64_MAX
-        if late:
-            c[_C["over_target"]] += late
+        c[_C["over_target"]] += late
 
     def close(self) -> None:
         for view in (self.h_latency, self.h_queue, self.h_compute, self.h_batch, self.count_words,

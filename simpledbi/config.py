@@ -1,6 +1,5 @@
-"""Configuration dataclasses: one frozen, picklable object per model process group. Validated in
-``__post_init__`` (TypeError/ValueError saying what was expected and what came), so a mistake
-surfaces in the parent before any process starts."""
+"""Configuration: frozen, picklable dataclasses, validated in ``__post_init__`` (TypeError/ValueError
+saying what was expected and what came), so a mistake surfaces in the parent before any process starts."""
 from __future__ import annotations
 
 import os
@@ -49,12 +48,11 @@ def _normalize_devices(device) -> Tuple[str, ...]:
 class ModelConfig:
     """One named model served by ``model_num`` model processes.
 
-    Give either ``path`` (a TorchScript file, or a ``torch.export`` ``.pt2`` file) or ``factory``
-    (a picklable callable, called once in each model process, returning an ``nn.Module`` or any
-    callable taking tensors). A request is batched with others of the same item shape; a batch
-    closes at ``max_batch_size`` rows, at once when no attached client could send another
-    request, and otherwise when waiting longer would not pay for itself (NOTE [adaptive
-    batching] in batching.py): ``wait_time`` is only the upper bound on that wait."""
+    Give either ``path`` (a TorchScript file, or a ``torch.export`` ``.pt2`` file) or ``factory`` (a
+    picklable callable, called once in each model process, returning an ``nn.Module`` or any callable
+    taking tensors). A request is batched with others of the same item shape; a batch closes at
+    ``max_batch_size`` rows, at once when no attached client could send another request, and otherwise
+    when waiting longer would not pay (NOTE [adaptive batching]): ``wait_time`` only bounds that wait."""
 
     name: str
     path: Optional[str] = None
@@ -70,46 +68,46 @@ class ModelConfig:
     #: to wait_time whenever an attached client may still send (the policy of simpledbi 0.1).
     batching: str = "adaptive"
     device: Union[str, Sequence[str]] = "auto"
-    #: Item shapes (without the batch dimension) used to warm the model up at load time (and to
-    #: capture CUDA graphs). One tuple per input; positional requests with another input count
-    #: are rejected. Published to clients: ``SharedModel(name)`` then needs no ``max_shape``.
+    #: Item shapes (without the batch dimension) to warm the model up with at load time (and capture CUDA
+    #: graphs for). One tuple per input; positional requests with another input count are rejected.
+    #: Published to clients: ``SharedModel(name)`` then needs no ``max_shape``.
     input_shapes: Optional[Sequence[Sequence[int]]] = None
     #: numpy dtype names of the inputs for the warm-up; float32 when omitted. When given, requests
     #: of other dtypes are rejected with "expected <dtype>", by clients before they send.
     input_dtypes: Optional[Sequence[str]] = None
-    #: The names clients may pass inputs by (``forward(input_ids=x)``); the model is then called
-    #: with those keywords. Default: the parameters of the model's ``forward`` (its signature, or
-    #: its TorchScript schema), at most 48. When given with ``input_shapes``, one name per shape.
+    #: The names clients may pass inputs by (``forward(input_ids=x)``); the model is then called with
+    #: those keywords. Default: the parameters of the model's ``forward`` (its signature, or its
+    #: TorchScript schema), at most 48. When given with ``input_shapes``, one name per shape.
     input_names: Optional[Sequence[str]] = None
     #: Cast parameters and floating inputs to this precision on the device.
     precision: str = "float32"
     #: torch intra-op threads per model process (CPU); None: cores / CPU model processes.
     num_threads: Optional[int] = None
-    #: How a batch reaches the device: "host" = np.concatenate into a pinned staging buffer and one
-    #: copy; "device" = one DMA per request from registered shared memory; "auto": device on CUDA.
+    #: How a batch reaches the device: "host" = np.concatenate into a pinned staging buffer and one copy;
+    #: "device" = one DMA per request from registered shared memory; "auto": device on CUDA.
     gather: str = "auto"
     #: CUDA graphs: "auto" (default: on CUDA, batches of up to 8 rows, captured per item shape that
-    #: arrives, off the serving thread; eager meanwhile, and for good if capture fails), True (all
-    #: sizes), False, or the batch sizes. With ``input_shapes`` they are captured at load time
-    #: (True / sizes: failure is an error). A batch is padded up to the next captured size (padding
-    #: rows never reach a caller): like batching, this assumes independent rows (eval-mode networks).
+    #: arrives, off the serving thread; eager meanwhile, and for good if capture fails), True (all sizes),
+    #: False, or the batch sizes. With ``input_shapes`` they are captured at load time (True / sizes:
+    #: failure is an error). A batch is padded up to the next captured size: like batching, this assumes
+    #: independent rows (eval-mode networks).
     cuda_graphs: Union[bool, str, Sequence[int]] = "auto"
     #: Most clients (SharedModel threads) that may attach at once.
     max_clients: int = 512
     #: Seconds a model process may take to load and warm up before Run gives up.
     load_timeout: float = 300.0
-    #: When a forward pass raises for a batch of several requests, retry halves of it until the
-    #: requests that make the model fail are found: only they get ModelError.
+    #: When a forward pass raises for a batch of several requests, retry halves of it until the requests
+    #: that make the model fail are found: only they get ModelError.
     isolate_errors: bool = True
-    #: A dead model process is restarted after ``restart_backoff`` seconds, doubling per failure
-    #: (at most 10 s); after more than ``max_restarts`` failures within ``restart_window``
-    #: seconds the model is marked broken and every caller gets ModelProcessDied.
+    #: A dead model process is restarted after ``restart_backoff`` seconds, doubling per failure (at most
+    #: 10 s); after more than ``max_restarts`` failures within ``restart_window`` seconds the model is
+    #: marked broken and every caller gets ModelProcessDied.
     max_restarts: int = 5
     restart_window: float = 60.0
     restart_backoff: float = 0.1
-    #: Past capacity (NOTE [overload] in overload.py): at most this many requests wait across the
-    #: model's processes; a newcomer beyond it gets ``Overloaded`` at once (unless it outranks a
-    #: waiting one). 0: nothing waits (a batch or a refusal). None: no bound but the deadlines.
+    #: Past capacity (NOTE [overload]): at most this many requests wait across the model's processes; a
+    #: newcomer beyond it gets ``Overloaded`` at once (unless it outranks a waiting one). 0: nothing waits
+    #: (a batch or a refusal). None: no bound but the deadlines.
     max_queue: Optional[int] = None
     #: Seconds: the timeout of a call that gives none. A request that cannot be answered within
     #: its timeout, given the queue ahead and the learned cost, is refused at once (Overloaded).
@@ -152,7 +150,7 @@ class ModelConfig:
                                  f"{self.input_dtypes!r}")
             object.__setattr__(self, "input_dtypes", dtypes)
         if self.input_names is not None:
-            if isinstance(self.input_names, str) or not isinstance(self.input_names, (list, tuple)):
+            if not isinstance(self.input_names, (list, tuple)):
                 raise TypeError(f"input_names: expected a list of str, got {self.input_names!r}")
             names = tuple(self.input_names)
             if not 1 <= len(names) <= MAX_NAMES or len(set(names)) != len(names) or not all(
@@ -205,13 +203,12 @@ class ModelConfig:
         return tuple(sorted(n for n in sizes if n <= self.max_batch_size))
 
     def graph_batch_sizes(self, launch_bound: bool = False) -> Tuple[int, ...]:
-        """The batch sizes to capture CUDA graphs for (empty: none). "auto" captures small
-        batches (up to 8 rows), where launching the kernels costs as much as running them, and
-        larger ones only for a model whose forward pass proved ``launch_bound`` (graphs.py,
-        LAUNCH_BOUND): elsewhere padding a batch up to a bucket costs more than it saves (ResNet-50,
-        128 workers / max batch 32: 1.09x of plain PyTorch without them, 0.99x with), while a fast
-        model's eager batches leave the device waiting on the CPU (ResNet-18 at 112x112 on an
-        H200: 0.52x without them, 0.76x with, docs/BENCHMARKS.md run 38)."""
+        """The batch sizes to capture CUDA graphs for (empty: none). "auto" captures small batches (up to
+        8 rows), where launching the kernels costs as much as running them, and larger ones only for a
+        model whose forward pass proved ``launch_bound`` (graphs.LAUNCH_BOUND): elsewhere padding a batch
+        up to a bucket costs more than it saves (ResNet-50, 128 workers / max batch 32: 1.09x of plain
+        PyTorch without them, 0.99x with), while a fast model's eager batches leave the device waiting
+        on the CPU (ResNet-18 at 112x112 on an H200: 0.52x without them, 0.76x with, run 38)."""
         if self.cuda_graphs is False:
             return ()
         if self.cuda_graphs == "auto":
@@ -230,15 +227,14 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class RuntimeOptions:
-    """Knobs of the runtime itself, shared by ``Run`` and its children. ``poll_interval`` bounds
-    every wait on another process: after it a sleeper checks that the other side is alive, so
-    nothing waits forever on a dead process (not a spin: an idle runtime wakes once per interval
-    per process)."""
+    """Knobs of the runtime itself, shared by ``Run`` and its children. ``poll_interval`` bounds every
+    wait on another process: after it a sleeper checks that the other side is alive, so nothing waits
+    forever on a dead process (an idle runtime wakes once per interval per process)."""
 
     poll_interval: float = 0.5
     join_timeout: float = 10.0
-    #: CUDA MPS: "auto" starts a private MPS control daemon when two or more model processes share
-    #: a CUDA device, "on" always (an error if it cannot be started), "off" never (mps.py).
+    #: CUDA MPS: "auto" starts a private MPS control daemon when two or more model processes share a
+    #: CUDA device, "on" always (an error if it cannot be started), "off" never (mps.py).
     mps: str = "auto"
 
     def __post_init__(self):

@@ -1,18 +1,17 @@
 """Where a run's shared objects live, and how they are created, mapped and removed.
 
-Every run owns a *namespace* ``sdbi_<owner pid>_<128 random bits>``: a directory
-``/dev/shm/<namespace>/`` created with ``mkdir(0o700)``, so other users can neither list, open,
-create nor squat anything inside. It holds only names: each model's request socket
-(``<m>.sock``) and a link to its control block (``<m>.ctl``); ``simpledbi serve`` adds its
-command socket.
+Every run owns a *namespace* ``sdbi_<owner pid>_<128 random bits>``: a directory ``/dev/shm/<namespace>/``
+made with ``mkdir(0o700)``, so other users can neither list, open, create nor squat anything inside. It
+holds only names: each model's request socket (``<m>.sock``) and a link to its control block
+(``<m>.ctl``); ``simpledbi serve`` adds its command socket.
 
-Shared memory is a *memfd* sealed against shrinking (``F_SEAL_SHRINK``): the kernel refuses to
-truncate it, to anyone, so a mapping of it can never SIGBUS -- no process of a runtime has to
-distrust the size of memory another hands it. A control block is a memfd of the runtime's main
-process, reached through ``<ns>/<m>.ctl``, a symlink to ``/proc/<main pid>/fd/<n>`` (opening it
-opens the memfd itself; only the same user may); a client's slot is one of the client's, reached
-the same way (slots.py). Nothing is unlinked: a memfd goes with its last descriptor and mapping.
-(Why not ``multiprocessing.shared_memory``: README, Architecture; CPython #82300/#104291.)"""
+Shared memory is a *memfd* sealed against shrinking (``F_SEAL_SHRINK``): the kernel refuses to truncate
+it, to anyone, so a mapping of it can never SIGBUS -- no process has to distrust the size of memory
+another hands it. A control block is a memfd of the runtime's main process, reached through
+``<ns>/<m>.ctl``, a symlink to ``/proc/<main pid>/fd/<n>`` (opening it opens the memfd itself; only the
+same user may); a client's slot is one of the client's, reached the same way (slots.py). Nothing is
+unlinked: a memfd goes with its last descriptor and mapping. (Why not ``multiprocessing.shared_memory``:
+README, Architecture; CPython #82300/#104291.)"""
 from __future__ import annotations
 
 import contextlib
@@ -54,9 +53,9 @@ def ns_path(namespace: str, name: str) -> str:
 
 
 class Segment:
-    """One mapped, sealed memfd: made (:meth:`create_memfd`) or opened (:meth:`attach`,
-    :meth:`from_fd`: only a memfd sealed against shrinking), ``readonly`` for clients' control
-    blocks. Views made with :meth:`ndarray` keep the mapping exported: drop them before closing."""
+    """One mapped, sealed memfd: made (:meth:`create_memfd`) or opened (:meth:`attach`, :meth:`from_fd`:
+    only a memfd sealed against shrinking), ``readonly`` for clients' control blocks. Views made with
+    :meth:`ndarray` keep the mapping exported: drop them before closing."""
 
     def __init__(self, fd: int, size: int, path: str = "", readonly: bool = False):
         self.fd: Optional[int] = fd
@@ -132,9 +131,8 @@ class Segment:
 
 
 class InheritedFd:
-    """A descriptor handed to a child process at its start: with ``spawn``, multiprocessing
-    duplicates it into the child, which gets a descriptor number of its own
-    (:func:`inherited_fd`); with ``fork``, the child has it already."""
+    """A descriptor handed to a child process at its start: under ``spawn`` multiprocessing duplicates
+    it into the child, which gets a number of its own (:func:`inherited_fd`); a forked child has it."""
 
     def __init__(self, fd: int):
         self.fd = fd
@@ -169,13 +167,12 @@ def check_sealed(fd: int, what: str) -> int:
 
 
 def remove_tree(path: str, budget: float = 5.0) -> None:
-    """Remove ``path`` and, if a directory, all in it. Never raises, never follows a symlink
-    (``path``'s own directory included: a client that swaps the namespace directory for a link
-    must not make the runtime delete elsewhere), never recurses (a client can nest directories
-    deeper than the recursion limit, where ``shutil.rmtree`` raises, or than PATH_MAX): a
-    non-empty subdirectory's subdirectories are moved up into the top one, so at most two are open
-    and the work is linear in the entries. One that keeps growing is given up on after ``budget``
-    seconds (logged)."""
+    """Remove ``path`` and, if a directory, all in it. Never raises, never follows a symlink (``path``'s
+    own directory included: a client that swaps the namespace directory for a link must not make the
+    runtime delete elsewhere), never recurses (a client can nest directories deeper than the recursion
+    limit, where ``shutil.rmtree`` raises, or than PATH_MAX): a non-empty subdirectory's subdirectories
+    move up into the top one, so at most two are open and the work is linear in the entries. One that
+    keeps growing is given up on after ``budget`` seconds (logged)."""
     parent, base = os.path.split(path)
     try:
         pfd = os.open(parent, _O_DIR)
