@@ -4,8 +4,8 @@ caller as a fresh exception whose ``__cause__`` carries the remote traceback tex
 CPython's ``concurrent.futures.process`` does it."""
 from __future__ import annotations
 
-__all__ = ["SimpleDBIError", "ModelError", "ModelProcessDied", "RuntimeStopped", "WorkerError",
-           "SlotsExhausted", "Overloaded", "RemoteTraceback"]
+__all__ = ["SimpleDBIError", "ModelError", "ModelProcessDied", "RuntimeStopped", "RuntimeUnavailable",
+           "WorkerError", "SlotsExhausted", "Overloaded", "RemoteTraceback"]
 
 
 class SimpleDBIError(Exception):

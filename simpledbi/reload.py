@@ -44,10 +44,11 @@ class Reloads:
                 if kind == "factory":
                     source = sources.ship(f"model {model!r}: factory", source, self.ctx.get_start_method())
                 cfg = dataclasses.replace(cfg, **{"path": None, "factory": None, kind: source})
-            ctl = self.ctls[model]
-            if ctl.state != RUNNING:
-                raise RuntimeError(f"reload {model!r}: the model is "
-                                   f"{STATE_NAMES.get(ctl.state, ctl.state)}, not running")
+            ctl = self.ctls.get(model)
+            if ctl is None or ctl.state != RUNNING:
+                raise RuntimeError(f"reload {model!r}: the model is " + (
+                    "not started (Runtime.start() first)" if ctl is None else
+                    f"{STATE_NAMES.get(ctl.state, ctl.state)}, not running"))
             n = cfg.model_num
             bank = 1 - (int(ctl.hdr["bank"]) & 1)
             rows = range(bank * n, (bank + 1) * n)
@@ -106,10 +107,11 @@ class Reloads:
                         break
             for m in old:
                 if not self._stop.is_set() and not _exited(m):
-                    logger.warning("model %r: old process %d (pid %d) did not finish within %.0f s; "
-                                   "terminating it", model, m.instance, m.proc.pid, timeout)
-                    m.proc.terminate()
-                    m.proc.join(self.options.join_timeout)
+                    logger.warning("model %r: old process %d did not finish within %.0f s; "
+                                   "terminating it", model, m.instance, timeout)
+                    with contextlib.suppress(ValueError):   # it exited, and the supervisor closed it
+                        m.proc.terminate()
+                        m.proc.join(self.options.join_timeout)
             return cfg
 
     def _forget(self, m: _ModelProc) -> None:

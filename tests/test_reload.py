@@ -249,3 +249,12 @@ def test_simpledbi_reload_takes_a_factory_by_import_path_like_serve_does():
         assert proc.wait(60) == 0
     finally:
         _stop(proc)
+
+
+def test_a_reload_before_start_says_the_runtime_is_not_started():
+    rt = Runtime([cpu_model("m", models.affine)])
+    try:
+        with pytest.raises(RuntimeError, match=r"the model is not started \(Runtime.start\(\) first\)"):
+            rt.reload("m")
+    finally:
+        rt.shutdown()
