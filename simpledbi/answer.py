@@ -35,7 +35,7 @@ class Answers:
         on the fast command (run 40): each wake then waited for the serving thread's next release
         of the GIL, and a batch's last caller woke ~0.5 ms after its answer was written."""
         structure = result.structure
-        code, names, row = structure.code, structure.names, self.row
+        code, names, row, release = structure.code, structure.names, self.row, self._release
         # each output's first row and bytes per row: a request's rows are one memmove each
         outs = [o if o.flags.c_contiguous else np.ascontiguousarray(o) for o in result.outputs]
         per_out = [(o.ctypes.data, o.strides[0] if o.shape[0] > 1 else o.nbytes, o.dtype, o.shape[1:])
@@ -58,7 +58,8 @@ class Answers:
                         peer.respond(r.seq, ST_BAD_REQUEST, f"could not write the outputs into the "
                                      f"client's slot: {e}", row, t_close, total, wake=False)
                     answered.append(r)
-                    self._done(r, t_done)
+                    peer.answered_at, peer.answered_seq = t_done, r.seq   # its turnaround starts (_took)
+                    release(r)   # its HELD row goes
                 offset += n
             if before_wake is not None:
                 before_wake()
@@ -109,25 +110,18 @@ class Answers:
         return culprits
 
     def fail(self, requests: Sequence[Request], status: int, text: str) -> None:
+        """Answer each request not answered yet with an error ``status`` and wake it."""
         for r in requests:
-            if not r.answered:
-                self.respond(r, status, text)
-
-    def respond(self, r: Request, status: int, text: str) -> None:
-        """Answer ``r`` (once) with an error ``status`` and wake it."""
-        if r.answered:
-            return
-        r.answered = True
-        try:
-            r.peer.respond(r.seq, status, text, self.row)
-        except Exception:  # noqa: BLE001 - a slot we cannot write: its client is gone
-            logger.debug("%s answering a request of process %d failed", self.tag, r.peer.pid, exc_info=True)
-        self._done(r, time.monotonic())
-
-    def _done(self, r: Request, now: float) -> None:
-        """``r`` is answered: its client's turnaround starts now (ModelServer._took), its HELD row goes."""
-        r.peer.answered_at, r.peer.answered_seq = now, r.seq
-        self._release(r)
+            if r.answered:
+                continue
+            r.answered = True
+            peer = r.peer
+            try:
+                peer.respond(r.seq, status, text, self.row)
+            except Exception:  # noqa: BLE001 - a slot we cannot write: its client is gone
+                logger.debug("%s answering a request of process %d failed", self.tag, peer.pid, exc_info=True)
+            peer.answered_at, peer.answered_seq = time.monotonic(), r.seq
+            self._release(r)
 
 
 def check_outputs(outputs, total: int) -> None:
