@@ -139,7 +139,8 @@ class Holding:
                 admission.room = 0 if c.holding else max(c.limit - c.rows, 0)   # for max_queue
                 if not self._took(got):
                     continue
-                if backlog or c.holding or self.admission.priorities_seen or not self._fits(c, got):
+                if backlog or c.holding or admission.priorities_seen or c.key is not None and (
+                        got.kind != c.kind or got.rows > c.limit - c.rows):
                     backlog.add(got)   # it takes its place in the backlog's order
                 else:
                     self._take(batch, c, got)   # nothing waits before it: the common case
@@ -179,10 +180,6 @@ class Holding:
         if not batch:
             c.key, c.kind, c.limit = None, (), self.max_batch
             c.oldest, c.newest = float("inf"), 0.0
-
-    @staticmethod
-    def _fits(c: _Collecting, r: Request) -> bool:
-        return c.key is None or r.kind == c.kind and r.rows <= c.limit - c.rows
 
     def _from_backlog(self, batch: List[Request], c: _Collecting) -> None:
         """Fill ``batch`` from the backlog in its order while it has room; requests of another kind keep
