@@ -84,15 +84,11 @@ class Admission:
         return True
 
     def _full(self) -> bool:
-        """``max_queue`` reached? Only a request that would wait here counts: one the batch being
-        collected has room for goes at once, whatever waits at the other processes."""
+        """``max_queue`` reached by the requests waiting across the model's serving processes: mine
+        beyond what the batch being collected has room for (a request it takes goes at once, whatever
+        waits elsewhere), the others' as they last published."""
         return self.limits.max_queue is not None and len(self.backlog) >= self.room and \
-            queue_full(self.limits, self.waiting())
-
-    def waiting(self) -> int:
-        """Requests waiting across the model's serving processes -- taken, and beyond what the
-        batch being collected has room for: mine exactly, the others' as they last published."""
-        return max(len(self.backlog) - self.room, 0) + sum(self._peer_queues())
+            queue_full(self.limits, len(self.backlog) - self.room + sum(self._peer_queues()))
 
     def _peer_queues(self) -> List[int]:
         """Requests waiting at each of the model's other serving processes, as they published."""
