@@ -184,10 +184,16 @@ class Intake:
             priority = _MAX_PRIORITY if priority > 0 else -_MAX_PRIORITY   # the client checks it
         if deadline != deadline:
             deadline = 0.0   # NaN: no deadline (the client sends monotonic seconds or 0)
-        req = Request(peer, seq, rows, layout, nbytes, t_pub, deadline, priority, t_seen=now,
-                      layout_raw=raw)
-        self._hold(req, pid, fd_no, token)
-        return req
+        # My HELD row says whose request I hold (should I die, the supervisor answers its caller at
+        # once): pid last, the row's "in use" mark.
+        i = self._free.pop()
+        w, base = self._held, i * _HELD_WORDS
+        w[base], w[base + 1] = fd_no, token - 2**64 if token >= 2**63 else token
+        w[base + 2], w[base + _HELD_PID] = seq, pid
+        peer.inflight += 1
+        self._inst[_INST_HELD] = self.held
+        return Request(peer, seq, rows, layout, nbytes, t_pub, deadline, priority, t_seen=now,
+                       layout_raw=raw, held=i)
 
     def _open(self, pid: int, fd_no: int, token: int, fd: Optional[int]) -> Optional[Peer]:
         if len(self.peers) >= self.max_clients:
@@ -208,17 +214,6 @@ class Intake:
         self._inst[_INST_CLIENTS] = len(self.peers)
         self.on_new_peer(peer)
         return peer
-
-    def _hold(self, req: Request, pid: int, fd_no: int, token: int) -> None:
-        """Record in the control block whose request I hold (the supervisor answers its caller
-        at once should I die) -- pid last, the row's 'in use' mark."""
-        i = self._free.pop()
-        w, base = self._held, i * _HELD_WORDS
-        w[base], w[base + 1] = fd_no, token - 2**64 if token >= 2**63 else token
-        w[base + 2], w[base + _HELD_PID] = req.seq, pid
-        req.held = i
-        req.peer.inflight += 1
-        self._inst[_INST_HELD] = self.held
 
     def _sibling(self, pid: int) -> bool:
         """Is ``pid`` a model process of this model (either bank, in any state: one that died after handing
