@@ -132,7 +132,6 @@ class _InFlight:
     launched: object = None
     error: Optional[BaseException] = None
     completed: bool = False
-    backlogged: bool = False   # requests were waiting when it closed (overload.ServiceRate)
 
 
 class ModelServer(Holding):
@@ -267,13 +266,9 @@ class ModelServer(Holding):
                         self._complete(nxt)
                     if time.monotonic() - self._last_maintenance > self.poll and not self._maintenance():
                         break
-                    continue
-                if inflight is not None:
+                elif inflight is not None:
                     inflight = self._complete(inflight, wait=True)
-                    continue
-                if self.retiring:
-                    continue
-                if not self._idle_wait():
+                elif not self.retiring and not self._idle_wait():
                     break
             except Exception as e:  # noqa: BLE001 - the catch-all: nothing stops this loop
                 logger.exception("%s internal error; failing the requests concerned", self.tag)
@@ -460,7 +455,7 @@ class ModelServer(Holding):
                             names=first.names)
 
     def _stage(self, batch: List[Request]) -> _InFlight:
-        flight = _InFlight(batch, time.monotonic(), backlogged=sum(r.rows for r in batch) >= self.max_batch)
+        flight = _InFlight(batch, time.monotonic())
         gather = self._gather(batch)
         try:
             flight.launched = self.engine.stage(gather)
@@ -525,7 +520,7 @@ class ModelServer(Holding):
                 self.costs.observe(batch[0].key, total, tm.h2d + tm.forward + tm.d2h
                                    if self.engine.cuda else t_end - t_close)
             self.acct.record(batch, total, t_close, t_scatter, t_end, result)
-            self.admission.rate.batch_done(total, t_close, t_end, flight.backlogged)
+            self.admission.rate.batch_done(total, t_close, t_end, total >= self.max_batch)  # full: backlogged
             self.admission.publish()
         except Exception:  # noqa: BLE001 - bookkeeping never fails a batch, nor the next one
             if not self._accounting_failed:
