@@ -1,11 +1,6 @@
 """Taking requests in, in a model process: the model's socket, the client slots it maps, and the checks
-between a datagram and a :class:`~simpledbi.slots.Request` (NOTE [slot protocol]).
-
-The kernel does what a table, claims, look-behinds and back-offs did: it delivers each datagram to
-exactly one model process and says which process sent it (``SO_PASSCRED``), so a request exists only if
-its client sent it, and reaches one process once. What a datagram says is still a client's word: its
-slot is opened only through the sender's own descriptor table, must be a sealed memfd carrying the
-datagram's token, and the request's layout and size are checked against that slot before anything is read.
+between a datagram and a :class:`~simpledbi.slots.Request` (NOTE [slot protocol]: the kernel says who
+sent a datagram and hands it to one process; all it says besides is checked against the sender's slot).
 """
 from __future__ import annotations
 
@@ -52,16 +47,15 @@ class Intake:
     ``on_drop`` (before a peer's slot is unmapped)."""
 
     def __init__(self, sock: socket.socket, ctl: ControlBlock, row: int, limits: Limits,
-                 max_clients: int, supervisor_pid: int, count: Callable[..., None],
-                 on_bad: Callable[[Peer, str], None], on_new_peer: Callable[[Peer], None],
-                 on_drop: Callable[[Peer], None]):
+                 max_clients: int, count: Callable[..., None], on_bad: Callable[[Peer, str], None],
+                 on_new_peer: Callable[[Peer], None], on_drop: Callable[[Peer], None]):
         self.sock = sock
         self.address = sock.getsockname()   # the model's socket: where hand-backs go
         self._readable = [sock]
         self._selectable = sock.fileno() < 1024      # select()'s FD_SETSIZE
         sock.setblocking(True)
-        self.ctl, self.row, self.limits = ctl, row, limits
-        self.max_clients, self.supervisor_pid = max_clients, supervisor_pid
+        self.row, self.limits = row, limits
+        self.max_clients, self.supervisor_pid = max_clients, int(ctl.hdr["supervisor_pid"])
         self.pid, self.uid = os.getpid(), os.getuid()
         self.peers: Dict[Tuple[int, int], Peer] = {}     # (pid, token) -> the slot mapped
         self._layouts: Dict[bytes, Layout] = {}

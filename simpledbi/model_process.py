@@ -168,9 +168,8 @@ class ModelServer(Holding):
         limits = Limits(self.max_batch, len(cfg.input_shapes) if cfg.input_shapes else None, dtypes,
                         names=self.engine.input_names)
         self.acct = Accounting(self.ctl, self.me, self.policy.latency_target)
-        self.intake = Intake(sock, self.ctl, self.me, limits, cfg.max_clients,
-                             int(self.ctl.hdr["supervisor_pid"]), count=self.acct.add, on_bad=self._on_bad,
-                             on_new_peer=self._register, on_drop=self._unregister)
+        self.intake = Intake(sock, self.ctl, self.me, limits, cfg.max_clients, count=self.acct.add,
+                             on_bad=self._on_bad, on_new_peer=self._register, on_drop=self._unregister)
         self.answers = Answers(self.tag, self.me, self.engine, self._gather, self._release,
                                self.acct.add, cfg.isolate_errors)
         # taken, not batched yet (another kind / no room), and the refusals past capacity
