@@ -1,7 +1,7 @@
 """What a model process holds and has not answered, in order (the batch loop's side of NOTE [overload]):
 filling a batch from the socket and the backlog, handing back to an idle peer, holding room for clients
 just answered, and taking requests in while the device (or, for a CPU model, a helper thread) runs a
-batch. A mixin of :class:`~simpledbi.model_process.ModelServer`, whose attributes it uses."""
+batch. :class:`Holding` is a mixin of :class:`~simpledbi.model_process.ModelServer`, using its attributes."""
 from __future__ import annotations
 
 import os
@@ -41,8 +41,6 @@ class _Collecting:
 
 
 class Holding:
-    """The batch-filling half of ModelServer (the module docstring says what it covers)."""
-
     def _await_device(self, flight) -> None:
         """With callers that set deadlines (or max_queue set): while the device finishes ``flight``, keep
         taking requests off the socket, so that one refused is refused at once (NOTE [overload]), not after
@@ -56,8 +54,8 @@ class Holding:
                 backlog.rows < self.max_batch or admission.takes_more(self.max_batch)):
             got = intake.next(_BUSY_POLL, precise=True)
             if isinstance(got, Request) and self._took(got):
-                self.backlog.add(got)
-        self.admission.publish()
+                backlog.add(got)
+        admission.publish()
 
     def _compute_while_taking(self, launched) -> None:
         """_await_device for a CPU model past capacity: its forward pass runs on a helper thread
