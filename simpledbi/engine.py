@@ -184,14 +184,13 @@ class Engine(GraphsAndSizes):
 
     # ------------------------------------------------------------ memory registration
     def register(self, address: int, size: int) -> bool:
-        """Page-lock a client's shared memory so per-request DMAs need no bounce buffer."""
-        if not self.cuda or self.gather_mode != "device" or address in self._registered:
-            return address in self._registered
-        err = torch.cuda.cudart().cudaHostRegister(address, size, 0)
-        if int(err) != 0:
-            logger.warning("cudaHostRegister(%d bytes) failed with %s; using pinned staging", size, err)
-            return False
-        self._registered[address] = size
+        """Page-lock a client's shared memory (where wants_mapping) so per-request DMAs need no bounce buffer."""
+        if address not in self._registered:
+            err = torch.cuda.cudart().cudaHostRegister(address, size, 0)
+            if int(err) != 0:
+                logger.warning("cudaHostRegister(%d bytes) failed with %s; using pinned staging", size, err)
+                return False
+            self._registered[address] = size
         return True
 
     def unregister(self, address: int) -> None:
@@ -325,10 +324,10 @@ class Engine(GraphsAndSizes):
                     for (_, dtype, item), name in zip(launched.staged, names))
         if self._graph_sizes and rows <= self._graph_sizes[-1]:
             graphs = self._graphs.get(sig, {})
-            fits = [n for n in graphs if n >= rows]
-            graph = graphs[min(fits)] if fits else None
+            size = min([n for n in graphs if n >= rows], default=None)   # the smallest graph that fits
+            graph = graphs.get(size)
             bucket = min(n for n in self._graph_sizes if n >= rows)
-            if (graph is None or len(graph.inputs[0]) > bucket) and sig not in self._graph_failed \
+            if (graph is None or size > bucket) and sig not in self._graph_failed \
                     and self._may_capture(sig, bucket):
                 self._count_use(sig, bucket)
         stream = self.stream   # the current stream (__init__)

@@ -194,14 +194,13 @@ class GraphsAndSizes:
             finally:
                 graph.capture_end()
         side.synchronize()
-        return _Graph(graph, [x.reshape(-1).view(torch.uint8) for x in inputs], inputs, outs, structure)
+        return _Graph(graph, [x.reshape(-1).view(torch.uint8) for x in inputs], outs, structure)
 
 
 @dataclass
 class _Graph:
     graph: Any
     inputs_u8: List[torch.Tensor]   # flat byte views of the static inputs (DMA targets)
-    inputs: List[torch.Tensor]
     outputs: List[torch.Tensor]
     structure: Any   # engine.Structure
 
