@@ -160,7 +160,7 @@ class Engine(GraphsAndSizes):
         # Two sets of staging buffers: batch k+1 is copied in while batch k computes.
         self._sets = [_BufferSet(self.cuda) for _ in range(2 if self.cuda else 1)]
         self._next_set = 0
-        self._cpu_views: Dict[tuple, tuple] = {}   # CPU: (buffer, input view, bytes) by signature
+        self._cpu_views: Dict[tuple, tuple] = {}   # CPU: (input view, its address) by signature
         if self.cuda:
             self.stream = torch.cuda.Stream(self.device)        # forward + device->host
             self.copy_stream = torch.cuda.Stream(self.device)   # host->device
@@ -254,18 +254,18 @@ class Engine(GraphsAndSizes):
             nbytes = sum([src[2] for src in g.sources[k]])
             key = (k, g.rows, item, dt, nbytes)
             view = views.get(key)
-            if view is None or k >= len(host) or view[0] is not host[k]:
+            if view is None:
                 old = host[k] if k < len(host) else None
                 buf = self._host_buf(self._sets[0], k, nbytes)
-                arr = buf[:nbytes].view(dt).reshape((g.rows, *item))
                 if buf is not old:   # outgrown: views of the old buffer would keep it alive
                     for stale in [v for v in views if v[0] == k]:
                         del views[stale]
                 if len(views) > 256:
                     views.clear()
-                view = views[key] = (buf, arr, buf.ctypes.data)
-            _read_bytes(view[2], g.sources[k])
-            xs.append(self._cast(torch.from_numpy(view[1])))
+                arr = buf[:nbytes].view(dt).reshape((g.rows, *item))
+                view = views[key] = (arr, arr.ctypes.data)
+            _read_bytes(view[1], g.sources[k])
+            xs.append(self._cast(torch.from_numpy(view[0])))
         t1 = time.perf_counter()
         outs, structure = _as_list(self._forward(xs, g.names))  # (under torch.inference_mode())
         t2 = time.perf_counter()
