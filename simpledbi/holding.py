@@ -45,9 +45,8 @@ class Holding:
         """With callers that set deadlines (or max_queue set): while the device finishes ``flight``, keep
         taking requests off the socket, so that one refused is refused at once (NOTE [overload]), not after
         this batch, as far ahead as Admission.takes_more says. Else the engine waits (synchronize)."""
-        launched = flight.launched
-        if launched is None or flight.error is not None or not launched.started or \
-                not self.admission.refuses_early:
+        launched = flight.launched   # (None only with an error: _stage)
+        if flight.error is not None or not launched.started or not self.admission.refuses_early:
             return
         intake, backlog, admission = self.intake, self.backlog, self.admission
         while not launched.ready() and not intake.full and not self._peer_free() and (

@@ -410,8 +410,7 @@ class ModelServer(Holding):
         policy, costs, arrivals, intake = self.policy, self.costs, self.arrivals, self.intake
         while c.rows < c.limit and not self.retiring:
             running = busy is not None and not busy.ready()
-            # (NOTE [pipelining]: this batch may close once the running one should end within
-            # the time it takes to stage and launch this one)
+            # (busy for batching.decide until the running one should end within our lead: NOTE [pipelining])
             device_busy = running and time.monotonic() < self._device_free_at - self._lead
             may = intake.may_send()
             if busy is not None and not running and may == 0 and not c.waiting:
