@@ -164,10 +164,17 @@ class Intake:
                     self._layouts.clear()
                 self._layouts[raw] = layout
             nbytes = check_size(layout, rows, peer.file_size, self.limits)
-            if sum(nbytes) >= _HOLES_CHECKED:
-                _check_memory(peer, sum(nbytes))
+            total = sum(nbytes)
+            if total >= _HOLES_CHECKED and (held := os.fstat(peer.seg.fd).st_blocks * 512) < total:
+                raise BadRequest(f"the inputs take {total} bytes but the slot holds only {held} bytes "
+                                 f"of memory (unwritten pages)")
             if peer.size < peer.file_size:   # mapped in part (slots._FIRST_MAP): map what it reads
-                _map_inputs(peer, layout, nbytes)
+                end = max(off + n for (off, _), n in zip(layout.end_per_row, nbytes))
+                if end > peer.size:
+                    try:
+                        peer.grow(end)   # (within the file: nothing is truncated)
+                    except (OSError, ValueError, OverflowError) as e:
+                        raise BadRequest(f"the slot's first {end} bytes cannot be mapped: {e}") from None
         except BadRequest as e:
             self.on_bad(peer, str(e))
             peer.respond(seq, ST_BAD_REQUEST, str(e), claimer=self.row)
@@ -273,22 +280,6 @@ class Intake:
         self.peers.clear()
         for view in (self._held, self._inst, self._all_inst):
             view.release()
-
-
-def _map_inputs(peer: Peer, layout: Layout, nbytes: Tuple[int, ...]) -> None:
-    end = max(off + n for (off, _), n in zip(layout.end_per_row, nbytes))
-    if end > peer.size:
-        try:
-            peer.grow(end)   # (within the file: nothing is truncated)
-        except (OSError, ValueError, OverflowError) as e:
-            raise BadRequest(f"the slot's first {end} bytes cannot be mapped: {e}") from None
-
-
-def _check_memory(peer: Peer, nbytes: int) -> None:
-    allocated = os.fstat(peer.seg.fd).st_blocks * 512
-    if allocated < nbytes:
-        raise BadRequest(f"the inputs take {nbytes} bytes but the slot holds only {allocated} bytes "
-                         f"of memory (unwritten pages)")
 
 
 # ---------------------------------------------------------------- the runtime's side
