@@ -458,7 +458,7 @@ class Peer:
         if _I64.unpack_from(buf, PUB_SEQ_OFF)[0] != seq:   # republished 64 times meanwhile
             futex.offer(ticket)
             return False
-        _CLAIM.pack_into(self.seg.buf, CLAIM_OFF, instance, pid, seq)
+        _CLAIM.pack_into(buf, CLAIM_OFF, instance, pid, seq)
         return True
 
     def unclaim(self, seq: int) -> None:
@@ -477,14 +477,12 @@ class Peer:
         if size > os.fstat(self.seg.fd).st_size:
             os.ftruncate(self.seg.fd, size)
             self.file_size = size
-        if self.registered and self.on_remap is not None:
-            self.on_remap(self)   # the DMA registration of the old mapping goes first
-        u8 = self.u8
+        if self.registered:
+            self.on_remap(self)   # the DMA registration of the old mapping goes first (set with it)
         self.u8 = None            # (a view would keep the old mapping exported)
         try:
             self.seg.map_at_least(size)
         finally:
-            del u8
             self.u8 = self.seg.ndarray(0, np.uint8, (self.seg.size,))
             self.base = self.u8.ctypes.data
 
