@@ -27,7 +27,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -131,7 +131,6 @@ class _InFlight:
     t_close: float
     launched: object = None
     error: Optional[BaseException] = None
-    completed: bool = False
 
 
 class ModelServer(Holding):
@@ -245,9 +244,7 @@ class ModelServer(Holding):
                 if self.retiring and inflight is None and not self._open:
                     logger.info("%s retired: every request it took is answered", self.tag)
                     break
-                batch = self._collect(inflight)
-                if inflight is not None and inflight.completed:
-                    inflight = None  # answered inside _collect
+                batch, inflight = self._collect(inflight)
                 if batch:
                     nxt = self._stage(batch)  # copies in on the copy stream, behind nothing
                     # Answer k before spending time launching k+1, unless launching is cheap next to the
@@ -393,20 +390,20 @@ class ModelServer(Holding):
         self.intake.release(req)
 
     # ------------------------------------------------------------ collecting a batch
-    def _collect(self, inflight: Optional[_InFlight] = None) -> List[Request]:
-        """The next batch. ``inflight`` is the batch launched before, if any: while it is on the
-        device, waiting is free (batching.decide). When it is done and no client could add to
-        this batch, it is answered here first: its callers are the ones who can."""
+    def _collect(self, inflight: Optional[_InFlight]) -> Tuple[List[Request], Optional[_InFlight]]:
+        """The next batch, and ``inflight`` unless answered here. ``inflight`` is the batch launched before,
+        if any: while it is on the device, waiting is free (batching.decide). When it is done and no client
+        could add to this batch, it is answered here first: its callers are the ones who can."""
         busy = inflight.launched if inflight is not None else None
         if busy is not None and self._peer_free() and not self.backlog:
-            return []  # an idle peer takes newcomers sooner than my busy device would
+            return [], inflight  # an idle peer takes newcomers sooner than my busy device would
         batch: List[Request] = []
         c = _Collecting(limit=self.max_batch)
         self._fill(batch, c)
         if not batch and c.holding:
             self._top_up(batch, c)   # nobody's first turn is waiting
         if not batch:
-            return []
+            return [], inflight
         policy, costs, arrivals, intake = self.policy, self.costs, self.arrivals, self.intake
         while c.rows < c.limit and not self.retiring:
             running = busy is not None and not busy.ready()
@@ -415,7 +412,7 @@ class ModelServer(Holding):
             may = intake.may_send()
             if busy is not None and not running and may == 0 and not c.waiting:
                 self._complete(inflight)  # answer the batch that just finished ...
-                inflight.completed, busy = True, None
+                inflight = busy = None
                 self._fill(batch, c)      # ... and see who comes back
                 continue
             if batching.must_close(c.rows, c.limit, c.waiting, may):
@@ -442,7 +439,7 @@ class ModelServer(Holding):
                 break
         if c.holding:
             self._top_up(batch, c)
-        return self._close(batch, c)
+        return self._close(batch, c), inflight
 
     # ------------------------------------------------------------ one batch
     def _gather(self, batch: List[Request]):
