@@ -184,7 +184,7 @@ class Engine(GraphsAndSizes):
 
     # ------------------------------------------------------------ memory registration
     def register(self, address: int, size: int) -> bool:
-        """Page-lock a client's shared memory (where wants_mapping) so per-request DMAs need no bounce buffer."""
+        """Page-lock a client's shared memory (wants_mapping) so per-request DMAs need no bounce buffer."""
         if address not in self._registered:
             err = torch.cuda.cudart().cudaHostRegister(address, size, 0)
             if int(err) != 0:
