@@ -41,16 +41,15 @@ class Admission:
         return self.deadlines_seen or self.limits.max_queue is not None
 
     def takes_more(self, limit: int) -> bool:
-        """Take requests off the socket beyond the next batch and one more (``limit`` rows)? Always for
-        the model's only process, when callers send priorities, or the queue is bounded. Not with several
-        processes for fair turns or deadlines alone: what one takes, the others cannot (H200: 256 callers
-        got half the throughput, and with deadlines the p99 at capacity tripled; Intake.hand_back evens
-        it out only a few requests at a time). With deadlines, while within a batch of the least loaded
-        peer's backlog: past capacity every backlog then grows, so more is refused when taken and every
-        process publishes a queue for clients to refuse by; below capacity none holds more than a batch
-        beyond what an idle peer would take (ResNet-50 at 2x on an H100, run 35: refusals within 1 ms went
-        from 0.4-2.7% to 4-10%; most still come tens of ms after the call, from requests that waited in
-        the socket's queue or blocked sending to it)."""
+        """Take requests off the socket beyond the next batch and one more (``limit`` rows)? Always for the
+        model's only process, when callers send priorities, or the queue is bounded. Not with several
+        processes for fair turns or deadlines alone: what one takes, the others cannot (H200: 256 callers got
+        half the throughput, and with deadlines the p99 at capacity tripled; Intake.hand_back evens it out
+        only a few requests at a time). With deadlines, while within a batch of the least loaded peer's
+        backlog: past capacity every backlog then grows, so more is refused when taken and every process
+        publishes a queue for clients to refuse by; below capacity none holds more than a batch beyond what
+        an idle peer would take (ResNet-50 at 2x on an H100, run 35: refusals within 1 ms went from 0.4-2.7%
+        to 4-10%; most still come tens of ms later, from requests that waited in or to enter the socket)."""
         return self.alone or self.priorities_seen or self.limits.max_queue is not None or (
             self.deadlines_seen and len(self.backlog) < min(self._peer_queues(), default=0) + limit)
 

@@ -110,12 +110,11 @@ class Holding:
     def _fill(self, batch: List[Request], c: _Collecting) -> None:
         """Add requests to ``batch``: first those I hold (in overload.Backlog's order), then what is queued
         on the socket now. Once the batch is full, what is queued is still taken, up to one more batch (it
-        goes first next time), unless a peer is idle: the socket's queue is short (net.unix.max_dgram_qlen,
-        10 by default), and each request taken from a full one wakes a client blocked in send (at 128
-        clients, they spent 40% of their time there, and the model processes a wake-up per request).
-        Beyond that, as Admission.takes_more says. Fair turns (NOTE [overload]): while clients just
-        answered may still send, a client's second and later requests wait in the backlog until the batch
-        closes, then top it up (_top_up): so a client just answered gets its turn in the next batch."""
+        goes first next time; beyond that, as Admission.takes_more says), unless a peer is idle: the
+        socket's queue is short (net.unix.max_dgram_qlen, 10 by default), and each request taken from a
+        full one wakes a client blocked in send (at 128 clients, they spent 40% of their time there, and
+        the model processes a wake-up per request). Fair turns: second turns wait in the backlog while
+        clients just answered may still send (_expect_returns), then top up the batch (_top_up)."""
         c.waiting = 0
         backlog, intake = self.backlog, self.intake
         if backlog.rows > c.limit and self._peer_free():
