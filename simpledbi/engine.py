@@ -447,11 +447,10 @@ def _grown(bufs: list, k: int, nbytes: int, make):
 
 
 class _Dma:
-    """Host->device copies through the CUDA runtime torch loaded, by ctypes: a few microseconds a
-    request instead of a tensor slice, a from_numpy and a dispatch. Where the runtime has
-    ``cudaMemcpyBatchAsync`` (CUDA 12.8+), one call copies a whole batch's input: one
-    ``cudaMemcpyAsync`` per request was 8% of a model process's serving thread on the fast
-    command (run 38)."""
+    """Host->device copies through the CUDA runtime torch loaded, by ctypes: a few microseconds a request
+    instead of a tensor slice, a from_numpy and a dispatch. Where the runtime has ``cudaMemcpyBatchAsync``
+    (CUDA 12.8+), one call copies a whole batch's input: one ``cudaMemcpyAsync`` per request was 8% of a
+    model process's serving thread on the fast command (run 38)."""
 
     def __init__(self, lib: ctypes.CDLL, version: int):
         self._one = lib.cudaMemcpyAsync

@@ -1,7 +1,6 @@
 """Taking requests in, in a model process: the model's socket, the client slots it maps, and the checks
-between a datagram and a :class:`~simpledbi.slots.Request` (NOTE [slot protocol]: the kernel says who
-sent a datagram and hands it to one process; all it says besides is checked against the sender's slot).
-"""
+between a datagram and a :class:`~simpledbi.slots.Request` (NOTE [slot protocol]: the kernel says who sent a
+datagram and hands it to one process; all it says besides is checked against the sender's slot)."""
 from __future__ import annotations
 
 import logging
