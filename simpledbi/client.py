@@ -18,6 +18,7 @@ import logging
 import math
 import numbers
 import os
+import re
 import socket
 import struct
 import sys
@@ -203,8 +204,8 @@ class SharedModel(Inputs):
                 hint = ("raise connect_timeout for a model that loads longer" if starting else
                         f"start it with `simpledbi serve --name {self.runtime} ...` or "
                         f"Runtime(models, name={self.runtime!r})" + _running_now())
-                raise RuntimeStopped(f"no simpledbi runtime named {self.runtime!r} {what} within the "
-                                     f"connect timeout ({self.connect_timeout:g} s); {hint}")
+                raise RuntimeUnavailable(f"no simpledbi runtime named {self.runtime!r} {what} within "
+                                         f"the connect timeout ({self.connect_timeout:g} s); {hint}")
             # Connecting is rare (start-up, a runtime restart): a short backed-off poll of the
             # registration file costs nothing while requests flow.
             time.sleep(min(pause, left))
@@ -512,8 +513,9 @@ def _status_error(name: str, status: int, text: str, timeout: Optional[float] = 
                           remote_type=type_name, remote_traceback=tb)
     if status == ST_BAD_REQUEST:
         return ValueError(f"model {name!r} rejected the request: {text}")
-    if status == ST_DIED:
-        return ModelProcessDied(f"model {name!r}: {text}")
+    if status == ST_DIED:   # the supervisor's text says how it died (supervisor.exit_how)
+        code = re.search(r"exit code (-?\d+)", text)
+        return ModelProcessDied(f"model {name!r}: {text}", int(code.group(1)) if code else None)
     if status == ST_FULL:
         return SlotsExhausted(f"model {name!r}: {text}")
     if status == ST_EXPIRED:

@@ -7,9 +7,11 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence, Tuple, Union
 
+import numpy as np
+
 __all__ = ["ModelConfig", "RuntimeOptions"]
 
-from .layout import MAX_NAMES
+from .layout import DTYPES, MAX_NAMES
 from .naming import NAME_RE as MODEL_NAME_RE   # what a model (like a runtime) may be called
 
 _PRECISIONS = ("float32", "float16", "bfloat16")
@@ -138,17 +140,26 @@ class ModelConfig:
             raise ValueError(f"batching: expected 'adaptive' or 'fixed', got {self.batching!r}")
         object.__setattr__(self, "device", _normalize_devices(self.device))
         if self.input_shapes is not None:
-            shapes = tuple(tuple(int(d) for d in s) for s in self.input_shapes)
+            try:
+                shapes = tuple(tuple(int(d) for d in s) for s in self.input_shapes)
+            except TypeError:   # (16,) for [(16,)]: a shape, not a list of them
+                shapes = ()
             if not shapes or any(d < 1 for s in shapes for d in s):
-                raise ValueError(f"input_shapes: expected item shapes of positive ints, got "
-                                 f"{self.input_shapes!r}")
+                raise ValueError(f"input_shapes: expected a list of item shapes of positive ints, one "
+                                 f"per input, e.g. [(3, 224, 224)], got {self.input_shapes!r}")
             object.__setattr__(self, "input_shapes", shapes)
         if self.input_dtypes is not None:
-            dtypes = tuple(str(d) for d in self.input_dtypes)
-            if self.input_shapes is None or len(dtypes) != len(self.input_shapes):
+            if self.input_shapes is None or len(self.input_dtypes) != len(self.input_shapes):
                 raise ValueError("input_dtypes: expected one dtype per entry of input_shapes, got "
                                  f"{self.input_dtypes!r}")
-            object.__setattr__(self, "input_dtypes", dtypes)
+            for d in self.input_dtypes:
+                try:
+                    ok = np.dtype(d).name in DTYPES
+                except TypeError:
+                    ok = False
+                if not ok:
+                    raise ValueError(f"input_dtypes: expected numpy dtypes of {', '.join(DTYPES)}, got {d!r}")
+            object.__setattr__(self, "input_dtypes", tuple(np.dtype(d).name for d in self.input_dtypes))
         if self.input_names is not None:
             if not isinstance(self.input_names, (list, tuple)):
                 raise TypeError(f"input_names: expected a list of str, got {self.input_names!r}")

@@ -97,6 +97,8 @@ class Runtime(Supervision, Reloads, Workers):
         if self._started:
             return self
         _check_startable(self.models, self.ctx.get_start_method())
+        if self.name is not None:   # at once, before a janitor and a namespace (the claim below decides)
+            naming.refuse_if_live(naming.resolve(self.name), self.name)
         self._started, self._owner = True, os.getpid()
         _forget_children_in_forks()
         # A script that ends (or raises) without shutdown() hung for good: at exit multiprocessing

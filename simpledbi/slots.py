@@ -4,7 +4,8 @@ Layouts are in :mod:`simpledbi.layout`.
 NOTE [slot protocol]
 --------------------
 One *slot* = one request in flight at a time: a memfd of the client's, sealed against shrinking,
-holding two semaphores, the inputs, and the answer (a ``SharedModel`` lends its slots to calls).
+holding its claim tickets and done word (futex.py), the inputs, and the answer (a ``SharedModel``
+lends its slots to calls).
 Requests travel as datagrams on the model's socket, which every model process of the model reads::
 
     client                                        model process (any of model_num)
@@ -175,7 +176,7 @@ class ClientSlot:
         self.seq += 1
         seq, r, refused = self.seq, self.refused, 0
         self.published = time.monotonic()
-        if r[0] or r[1]:   # 16 bits each, as many as fit (layout: REQ_PREFIX); the rest go next time
+        if r[0] or r[1]:   # 16 and 15 bits, as many as fit (layout: REQ_PREFIX); the rest go next time
             d, q = min(r[0], 0xFFFF), min(r[1], 0x7FFF)
             r[0] -= d
             r[1] -= q

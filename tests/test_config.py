@@ -26,6 +26,8 @@ def ok(**kw):
     (dict(gather="magic"), ValueError, "gather"),
     (dict(input_shapes=[(3, 0)]), ValueError, "input_shapes"),
     (dict(input_shapes=[(3,)], input_dtypes=["float32", "int64"]), ValueError, "one dtype per entry"),
+    (dict(input_shapes=(16,)), ValueError, "input_shapes: expected a list of item shapes"),
+    (dict(input_shapes=[(3,)], input_dtypes=["flaot32"]), ValueError, "input_dtypes: expected numpy dtypes"),
     (dict(max_clients=0), ValueError, "max_clients"),
     (dict(cuda_graphs="sometimes"), ValueError, "cuda_graphs"),
     (dict(latency_target=0), ValueError, "latency_target: expected 0 < seconds"),

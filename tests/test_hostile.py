@@ -619,7 +619,7 @@ def test_dead_model_process_is_restarted_and_its_callers_told_at_once(start_runt
     os.kill(claimer, signal.SIGKILL)
     t.join(5)  # told at once (the supervisor answers what it held), not after a timeout
     assert not t.is_alive() and isinstance(outcome.get("e"), ModelProcessDied), outcome
-    assert str(claimer) in str(outcome["e"])
+    assert str(claimer) in str(outcome["e"]) and outcome["e"].exitcode == -signal.SIGKILL
     x = np.full((1, 2), 2.0, np.float32)
     np.testing.assert_array_equal(m.forward(x, timeout=30), x * 2 + 1)  # the survivor serves
     _wait_for(lambda: rt.ctls["gated"].instances["restarts"].sum() == 1 and claimer not in _pids(rt, "gated")
