@@ -365,9 +365,13 @@ class SharedModel(Inputs):
     def _send(self, h: "_Handles", slot: ClientSlot, deadline: Optional[float]) -> None:
         """Send the request's datagram. While the model's socket queue is full, wait for room in
         the kernel (woken alone when a model process takes a datagram), a poll interval at a
-        time, checking between waits that someone is still there to take it."""
+        time, checking between waits that someone is still there to take it, and that the call
+        is still wanted (not closed from another thread, nor its forward_async task cancelled)."""
         block = False   # the first try returns at once
         while True:
+            if slot.interrupted or slot.cancel is not None and slot.cancel.cancelled:
+                slot.unsent()   # closed or cancelled meanwhile: the request, never sent, is taken back
+                self._given_up(slot, slot.seq)
             try:
                 slot.send(slot._msg, block)
                 return
@@ -401,12 +405,8 @@ class SharedModel(Inputs):
                     self._on_timeout(slot, seq)
             if slot.wait(seq, wait):
                 break
-            cancelled = slot.cancel is not None and slot.cancel.cancelled
-            if slot.interrupted or cancelled:
-                if not slot.withdraw():
-                    slot.abandon(seq)
-                raise RuntimeStopped(f"model {self.name!r}: the awaiting task was cancelled" if cancelled
-                                     else f"SharedModel({self.name!r}) was closed while this call waited")
+            if slot.interrupted or slot.cancel is not None and slot.cancel.cancelled:
+                self._given_up(slot, seq)
             self._check_alive(h, slot, seq)
         status, text, structure = slot.response()
         if status != ST_OK:
@@ -418,6 +418,15 @@ class SharedModel(Inputs):
         self._latest = timing = slot.timing_tuple()
         self._last.set(timing)
         return outs, structure, out_names
+
+    def _given_up(self, slot: ClientSlot, seq: int):
+        """The call's handle was closed from another thread, or its forward_async task cancelled:
+        request ``seq`` is taken back (or abandoned, if a model process took it); RuntimeStopped."""
+        if not slot.withdraw():
+            slot.abandon(seq)
+        if slot.cancel is not None and slot.cancel.cancelled:
+            raise RuntimeStopped(f"model {self.name!r}: the awaiting task was cancelled")
+        raise RuntimeStopped(f"SharedModel({self.name!r}) was closed while this call waited")
 
     def _on_timeout(self, slot: ClientSlot, seq: int,
                     unsent: str = "the request was withdrawn before any model process took it"):

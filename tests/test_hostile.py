@@ -254,6 +254,84 @@ def test_close_from_another_thread_ends_the_call_with_runtime_stopped(start_runt
     _wait_for(lambda: _clients(rt, "gated") == 0)
 
 
+def _fill_the_queue(rt, gate, m, start):
+    """Hold the model process in a gated forward pass and start calls of handle ``m`` (``start(k)``)
+    until its socket's queue is full and two more wait for room: the blocker, (its thread,
+    outcome), and how many of the calls were sent."""
+    with open("/proc/sys/net/unix/max_dgram_qlen") as f:
+        qlen = int(f.read())
+    if qlen > 64:
+        pytest.skip(f"net.unix.max_dgram_qlen is {qlen}: too many threads to fill it")
+    blocker = SharedModel("gated", max_shape=(1, 2), namespace=rt.namespace)
+    held = _gated_call(blocker, gate)
+    for k in range(qlen + 3):   # (the kernel queues up to qlen + 1)
+        start(k)
+    wait_queued(m, n=qlen)
+    _wait_for(lambda: sum(s.seq != s.sent_seq for s in list(m._h.busy)) >= 2)   # published, unsent
+    return blocker, held, sum(s.seq == s.sent_seq for s in list(m._h.busy))
+
+
+def test_close_ends_the_calls_waiting_for_room_in_a_full_queue(start_runtime, gate):
+    """close() from another thread ends a call that waits for room in the model's full socket queue
+    too (RuntimeStopped, its request taken back), not only those already sent -- not when room comes."""
+    rt = _gated(start_runtime, gate, max_batch_size=1, wait_time=0.001)
+    m = SharedModel("gated", max_shape=(1, 2), namespace=rt.namespace)
+    outcomes, threads = {}, []
+
+    def call(k):
+        try:
+            outcomes[k] = m.forward(np.full((1, 2), float(k), np.float32))
+        except BaseException as e:  # noqa: BLE001 - the test inspects it
+            outcomes[k] = e
+
+    def start(k):
+        threads.append(threading.Thread(target=call, args=(k,)))
+        threads[-1].start()
+
+    blocker, (t, _), _ = _fill_the_queue(rt, gate, m, start)
+    m.close()
+    for th in threads:
+        th.join(10)    # the gated batch still runs: room never comes meanwhile
+    assert not any(th.is_alive() for th in threads), "a call of a closed handle waits for room"
+    assert all(isinstance(e, RuntimeStopped) for e in outcomes.values()), outcomes
+    gate.open()
+    t.join(30)
+    _honest(rt, "gated", timeout=5)   # its datagram comes after theirs
+    assert blocker.stats()["rows"] == 2    # the gated request and the honest one: nothing else ran
+    blocker.close()
+
+
+def test_a_cancelled_forward_async_waiting_for_room_in_a_full_queue_is_never_sent(start_runtime, gate):
+    """Cancelling forward_async tasks whose calls wait for room in the model's full socket queue:
+    every call ends (its pool thread is free) and none of their requests ever runs."""
+    import asyncio
+    rt = _gated(start_runtime, gate, max_batch_size=1, wait_time=0.001)
+    with SharedModel("gated", max_shape=(1, 2), namespace=rt.namespace) as m:
+        async def main():
+            tasks = []
+            start = lambda k: tasks.append(asyncio.ensure_future(   # noqa: E731
+                m.forward_async(np.full((1, 2), float(k), np.float32))))
+            held = await asyncio.to_thread(_fill_the_queue, rt, gate, m, lambda k: loop.call_soon_threadsafe(start, k))
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            return held
+
+        loop = asyncio.new_event_loop()
+        try:
+            blocker, (t, _), sent = loop.run_until_complete(main())
+        finally:
+            loop.close()
+        _wait_for(lambda: not m._h.busy, timeout=10)   # the gated batch still runs
+        gate.open()
+        t.join(30)
+        x = np.full((1, 2), 3.0, np.float32)
+        np.testing.assert_array_equal(m.forward(x, timeout=10), x * 2 + 1)
+        _wait_for(lambda: m.stats()["withdrawn"] == sent)
+        assert m.stats()["rows"] == 2   # the gated request and the last one, nothing else
+        blocker.close()
+
+
 def test_threads_that_come_and_go_do_not_keep_slots(start_runtime):
     rt = start_runtime(cpu_model("affine", models.affine, max_batch_size=4, max_clients=8))
     with SharedModel("affine", max_shape=(1, 2), namespace=rt.namespace) as m:
