@@ -29,8 +29,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _wait_lines(proc: subprocess.Popen, word: str, count: int = 1, timeout: float = 90) -> None:
-    """Read ``proc``'s stderr until ``word`` appeared ``count`` times."""
+def _wait_lines(proc: subprocess.Popen, word: str, count: int = 1, timeout: float = 180) -> None:
+    """Read ``proc``'s stderr until ``word`` appeared ``count`` times (a bound, not a pause: four
+    web workers starting beside another test suite on 2 cores once took over 90 s)."""
     seen, log = 0, []
     deadline = time.monotonic() + timeout
     while seen < count and time.monotonic() < deadline:
