@@ -50,7 +50,7 @@ _live_clients: "weakref.WeakSet[SharedModel]" = weakref.WeakSet()
 #: Threads the async waiters may use at most (each waits for one call in flight; threads are
 #: made only when every earlier one is busy, so a process has as many as its peak concurrency).
 _ASYNC_MAX_THREADS = 4096
-_async_pool: Tuple[int, Optional[concurrent.futures.ThreadPoolExecutor]] = (0, None)   # (its pid, it)
+_async_pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
 _async_pool_lock = threading.Lock()
 
 
@@ -59,10 +59,24 @@ def _async_executor() -> concurrent.futures.ThreadPoolExecutor:
     number of concurrent coroutines can be batched together without sizing anything."""
     global _async_pool
     with _async_pool_lock:
-        if _async_pool[0] != os.getpid():  # (none yet, or the parent's: a forked child has no threads)
-            _async_pool = (os.getpid(), concurrent.futures.ThreadPoolExecutor(
-                max_workers=_ASYNC_MAX_THREADS, thread_name_prefix="simpledbi-async"))
-        return _async_pool[1]
+        if _async_pool is None:
+            _async_pool = concurrent.futures.ThreadPoolExecutor(
+                max_workers=_ASYNC_MAX_THREADS, thread_name_prefix="simpledbi-async")
+        return _async_pool
+
+
+def _after_fork_in_child() -> None:
+    """A forked child runs only the thread that forked: a lock another thread held at that moment
+    would stay held forever, and the slots in the pools are the parent's. So every handle gets a
+    fresh pool and locks (its slots are made anew on the child's first call)."""
+    global _async_pool, _async_pool_lock
+    _async_pool, _async_pool_lock = None, threading.Lock()   # (the parent's threads are not here)
+    for client in list(_live_clients):
+        client._attach_lock = threading.Lock()
+        client._h._new_pool()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def close_all_clients() -> None:
@@ -664,8 +678,6 @@ class _Handles:
         with self.lock:
             if self.closed:
                 raise RuntimeStopped(f"SharedModel({self.name!r}) is closed")
-            if os.getpid() != self.pid:   # a forked child: the parent's slots are the parent's
-                self._new_pool()
             if self.idle:
                 slot = self.idle.pop()
                 self.busy.add(slot)
@@ -707,7 +719,6 @@ class _Handles:
 
     def _new_pool(self) -> None:
         """This process's empty slot pool (in a forked child too: the parent's calls use its slots)."""
-        self.pid = os.getpid()
         self.lock = threading.Lock()
         self.idle: List[ClientSlot] = []
         self.stale: List[ClientSlot] = []   # owed a late answer: lent again once settled()
@@ -726,8 +737,6 @@ class _Handles:
                 slot.interrupted = True
                 slot.wake()
             last = not self.busy and not self.creating
-        if os.getpid() != self.pid:
-            return
         for slot in idle:
             slot.detach()
         if last:

@@ -5,6 +5,7 @@ Each test ends by checking that an honest client is still served correctly and t
 process was restarted (except where a test kills one on purpose); with a huge ``wait_time``, that
 a lone client's call is not held back by slots nobody uses any more.
 """
+import asyncio
 import contextlib
 import functools
 import os
@@ -21,7 +22,7 @@ import numpy as np
 import pytest
 
 from simpledbi import ModelError, ModelProcessDied, RuntimeStopped, SharedModel
-from simpledbi import futex, shm
+from simpledbi import client as client_module, futex, shm
 from simpledbi.layout import (BROKEN, PUB_SEQ_OFF, REQ_MAGIC, REQ_PREFIX, STOPPING,
                               socket_path)
 
@@ -390,6 +391,33 @@ def test_a_handle_used_across_fork_gives_each_process_its_own_answers(start_runt
         np.testing.assert_array_equal(m.forward(x, timeout=10), x * 2 + 1)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
+    m.close()
+    _honest(rt, "affine")
+
+
+def test_a_fork_while_another_thread_holds_the_handles_locks_leaves_the_child_a_working_handle(start_runtime):
+    # Another thread of the parent inside borrow()/give_back() (or re-attaching) at the moment of
+    # fork: the child, which has only the forking thread, must not inherit those locks held.
+    rt = start_runtime(cpu_model("affine", models.affine, max_batch_size=4, wait_time=0.001))
+    m = SharedModel("affine", max_shape=(1, 2), namespace=rt.namespace)
+    np.testing.assert_array_equal(asyncio.run(m.forward_async(np.ones((1, 2), np.float32), timeout=10)),
+                                  np.full((1, 2), 3.0))   # (the parent's async pool has threads)
+    with m._h.lock, m._attach_lock, client_module._async_pool_lock:   # as threads of the parent hold them
+        pid = os.fork()
+        if pid == 0:
+            signal.alarm(20)   # a deadlocked child dies of SIGALRM instead of hanging the test
+            code = 3
+            try:
+                x = np.full((1, 2), 7.0, np.float32)
+                out = asyncio.run(m.forward_async(x, timeout=10))
+                code = 0 if np.array_equal(m.forward(x, timeout=10), x * 2 + 1) and \
+                    np.array_equal(out, x * 2 + 1) else 1
+                m.close()
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    np.testing.assert_array_equal(m.forward(np.ones((1, 2), np.float32), timeout=10), np.full((1, 2), 3.0))
     m.close()
     _honest(rt, "affine")
 
