@@ -207,6 +207,8 @@ class SharedModel(Inputs):
                     # dtypes, names) is published with RUNNING, and this client is built on it
                     starting = True
                     h.release()
+            if getattr(self, "_closed", False):   # close() from another thread while waiting
+                raise RuntimeStopped(f"SharedModel({self.name!r}) is closed")
             left = deadline - time.monotonic()
             if left <= 0:
                 what = ("finished starting (its model processes were still loading)" if starting
@@ -240,6 +242,8 @@ class SharedModel(Inputs):
             self._h = new
             self.namespace = new.namespace
             self._finalizer = weakref.finalize(self, new.release)
+            if self._closed:   # close() meanwhile, which may have run the old finalizer: this one too
+                self._finalizer()
         old.release()
         logger.info("SharedModel(%r) re-attached to runtime %r (%s)", self.name, self.runtime,
                     new.namespace)

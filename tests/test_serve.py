@@ -162,6 +162,34 @@ def test_a_client_attached_by_name_survives_a_runtime_restart():
     fixed.close()
 
 
+@pytest.mark.timeout(120)
+def test_close_ends_a_call_waiting_for_the_named_runtime_to_come_back():
+    name = _name()
+    client = _attached_to_a_runtime_that_stopped(name, connect_timeout=60)
+    connecting, got = threading.Event(), {}
+    connect = client._connect
+
+    def watched_connect(*a, **kw):   # the call is now waiting for a successor
+        connecting.set()
+        return connect(*a, **kw)
+
+    client._connect = watched_connect
+
+    def call():
+        try:
+            got["y"] = client.forward(np.ones((1, 3), np.float32))
+        except BaseException as e:  # noqa: BLE001 - asserted below
+            got["error"] = e
+
+    t = threading.Thread(target=call)
+    t.start()
+    assert connecting.wait(30)
+    client.close()
+    t.join(10)   # not connect_timeout (60 s): close() ends the wait
+    assert not t.is_alive(), "close() did not end a call waiting for the runtime to come back"
+    assert isinstance(got.get("error"), RuntimeStopped) and "closed" in str(got["error"]), got
+
+
 # ---------------------------------------------------------------- simpledbi serve
 @pytest.mark.timeout(180)
 def test_serve_drains_accepted_requests_at_sigterm_and_cleans_up(gate):
