@@ -69,8 +69,10 @@ class Holding:
         try:
             intake, watch = self.intake, [self.intake.sock, self._done_r]
             while True:   # until the helper's byte: exactly one per job, always read
-                # (not while a peer is idle: it takes newcomers at once, and need not refuse them)
-                take = not intake.full and not self._peer_free()
+                # (not while a peer is idle: it takes newcomers at once, and need not refuse them;
+                # nor beyond what Admission.takes_more says: what I take, my peers cannot)
+                take = not intake.full and not self._peer_free() and (
+                    self.backlog.rows < self.max_batch or self.admission.takes_more(self.max_batch))
                 ready = select.select(watch if take else watch[1:], (), (), self.poll)[0]
                 if self._done_r in ready:
                     os.read(self._done_r, 1)
