@@ -26,9 +26,9 @@ def batch_records(ctl, since: Optional[float] = None) -> np.ndarray:
     return recs if since is None else recs[recs[:, B_FIELDS.index("t_close")] >= since]
 
 
-def summarize(ctl) -> dict:
-    """Counters since start (README: ``stats()``) plus mean per-batch stage times (seconds) over
-    the recent batches."""
+def summarize(ctl, since: Optional[float] = None) -> dict:
+    """Counters since start (README: ``stats()``; ``inspect()`` reads them here too) plus mean
+    per-batch stage times (seconds) over the recent batches (that closed since ``since``)."""
     n = {name: int(ctl.counters[name].sum()) for name in COUNTERS.names if name != "reserved"}
     batches = n["batches"]
     out = {
@@ -47,7 +47,7 @@ def summarize(ctl) -> dict:
         "mean_batch_size": n["rows"] / batches if batches else 0.0,
         "mean_requests_per_batch": n["requests"] / batches if batches else 0.0,
     }
-    recs = batch_records(ctl)
+    recs = batch_records(ctl, since)
     for stage in STAGES:
         out[f"mean_{stage}_s"] = float(recs[:, B_FIELDS.index(stage)].mean()) if len(recs) else 0.0
     return out

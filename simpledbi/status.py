@@ -14,11 +14,11 @@ import numpy as np
 
 from . import naming
 from .layout import (
-    B_FIELDS, H_COMPUTE, H_LATENCY, H_QUEUE, H_SUM, INST_RETIRING, INST_STATE_NAMES, LAT_BOUNDS,
+    H_COMPUTE, H_LATENCY, H_QUEUE, H_SUM, INST_RETIRING, INST_STATE_NAMES, LAT_BOUNDS,
     STATE_NAMES, ControlBlock,
 )
 from .shm import SHM_DIR, pid_alive
-from .stats import STAGES, batch_records
+from .stats import STAGES, summarize
 
 __all__ = ["inspect", "RuntimeInfo", "ModelInfo", "InstanceInfo", "Histogram"]
 
@@ -173,23 +173,20 @@ def _model_info(name: str, ctl: ControlBlock) -> ModelInfo:
     serving = inst[list(active)]
     hist = ctl.hist.sum(axis=0)
     bh = ctl.batch_hist.sum(axis=0)
-    recs = batch_records(ctl, since=time.monotonic() - 60.0)
-    means = {s: float(recs[:, B_FIELDS.index(s)].mean()) if len(recs) else 0.0 for s in STAGES}
+    n = summarize(ctl, since=time.monotonic() - 60.0)   # the counters, and the last minute's batches
     return ModelInfo(
         name=name, state=STATE_NAMES.get(ctl.state, str(ctl.state)), message=ctl.message(),
         max_batch_size=int(ctl.hdr["max_batch"]), max_clients=ctl.max_slots,
         attached_clients=int(serving["clients"].max()) if len(serving) else 0,
         queued=int(inst["held"].sum()),
-        requests=int(c["requests"].sum()), batches=int(c["batches"].sum()), rows=int(c["rows"].sum()),
-        errors=int(c["errors"].sum()), bad_requests=int(c["bad_requests"].sum()),
-        over_target=int(c["over_target"].sum()), restarts=int(inst["restarts"].sum()),
-        rejected={"deadline": int(c["shed_deadline"].sum()), "queue": int(c["shed_queue"].sum())},
+        **{k: n[k] for k in ("requests", "batches", "rows", "errors", "bad_requests", "over_target",
+                             "restarts", "rejected")},
         newcomer_wait=float(serving["newcomer_wait"].min()) if len(serving) else 0.0,
         instances=instances,
         batch_sizes={int(k): int(bh[k]) for k in np.nonzero(bh)[0]},
         latency=_histogram(hist[H_LATENCY]), queue=_histogram(hist[H_QUEUE]),
         compute=_histogram(hist[H_COMPUTE]),
-        stage_means=means)
+        stage_means={s: n[f"mean_{s}_s"] for s in STAGES})
 
 
 def _histogram(row: np.ndarray) -> Histogram:
