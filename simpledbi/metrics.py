@@ -23,26 +23,38 @@ __all__ = ["RuntimeCollector", "start_metrics_server"]
 # cumulative, so merging internal ones loses nothing but resolution.
 _EXPORT_BOUNDS = LAT_BOUNDS[::2]
 _BATCH_BOUNDS = (1, 2, 4, 8, 16, 32, 64, 128)
+_INF = float("inf")
 assert _BATCH_BOUNDS[-1] == BATCH_HIST_MAX   # key 0 counts the larger batches: only in +Inf
 _C, _G, _H = CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
-_FAMILIES = (   # key, kind, name, help, labels after "model" -- exported in this order
-    ("ok", _C, "simpledbi_request_success", "Requests answered with a result", ()),
-    ("fail", _C, "simpledbi_request_failure", "Requests that failed", ("reason",)),
-    ("rows", _C, "simpledbi_inference_count", "Rows computed", ()),
-    ("batches", _C, "simpledbi_batch", "Forward passes (batches)", ()),
-    ("over", _C, "simpledbi_over_target", "Answers later than the model's latency_target", ()),
-    ("rejected", _C, "simpledbi_rejected", "Requests refused with Overloaded (never run), by reason",
-     ("reason",)),
-    ("size", _H, "simpledbi_batch_size", "Rows per batch", ()),
-    ("latency", _H, "simpledbi_request_duration_seconds", "Per request: publish to answer", ()),
-    ("queue", _H, "simpledbi_queue_duration_seconds", "Per request: publish to the start of its batch",
-     ()),
-    ("compute", _H, "simpledbi_compute_duration_seconds", "Per batch: start to answered", ()),
-    ("queued", _G, "simpledbi_queued_requests", "Requests waiting for an answer", ()),
-    ("clients", _G, "simpledbi_attached_clients", "Client slots attached", ()),
-    ("ready", _G, "simpledbi_model_ready", "1 while the model serves", ()),
-    ("up", _G, "simpledbi_instance_up", "1 while a model process is ready", ("instance", "device")),
-    ("restarts", _C, "simpledbi_instance_restarts", "Restarts of a model process", ("instance",)),
+# kind, name, help, labels after "model", and a model's samples: (label values, value), for a
+# histogram (label values, buckets, sum) -- exported in this order
+_FAMILIES = (
+    (_C, "simpledbi_request_success", "Requests answered with a result", (),
+     lambda m: [((), m.requests - m.errors)]),
+    (_C, "simpledbi_request_failure", "Requests that failed", ("reason",),
+     lambda m: [(("model_error",), m.errors), (("bad_request",), m.bad_requests)]),
+    (_C, "simpledbi_inference_count", "Rows computed", (), lambda m: [((), m.rows)]),
+    (_C, "simpledbi_batch", "Forward passes (batches)", (), lambda m: [((), m.batches)]),
+    (_C, "simpledbi_over_target", "Answers later than the model's latency_target", (),
+     lambda m: [((), m.over_target)]),
+    (_C, "simpledbi_rejected", "Requests refused with Overloaded (never run), by reason", ("reason",),
+     lambda m: [((reason,), count) for reason, count in m.rejected.items()]),
+    (_H, "simpledbi_batch_size", "Rows per batch", (), lambda m: [((), _buckets(
+        ((k or _INF, v) for k, v in m.batch_sizes.items()), _BATCH_BOUNDS, str), m.rows)]),
+    (_H, "simpledbi_request_duration_seconds", "Per request: publish to answer", (),
+     lambda m: [_latency(m.latency)]),
+    (_H, "simpledbi_queue_duration_seconds", "Per request: publish to the start of its batch", (),
+     lambda m: [_latency(m.queue)]),
+    (_H, "simpledbi_compute_duration_seconds", "Per batch: start to answered", (),
+     lambda m: [_latency(m.compute)]),
+    (_G, "simpledbi_queued_requests", "Requests waiting for an answer", (), lambda m: [((), m.queued)]),
+    (_G, "simpledbi_attached_clients", "Client slots attached", (), lambda m: [((), m.attached_clients)]),
+    (_G, "simpledbi_model_ready", "1 while the model serves", (), lambda m: [((), 1 if m.ready else 0)]),
+    (_G, "simpledbi_instance_up", "1 while a model process is ready", ("instance", "device"),
+     lambda m: [((str(i.index), i.device), 1 if i.alive and i.state == "ready" else 0)
+                for i in m.instances]),
+    (_C, "simpledbi_instance_restarts", "Restarts of a model process", ("instance",),
+     lambda m: [((str(i.index),), i.restarts) for i in m.instances]),
 )
 
 
@@ -60,45 +72,24 @@ class RuntimeCollector:
             info = inspect(self.runtime, namespace=self.namespace)
         except LookupError:
             return
-        fam = {key: kind(name, text, labels=["model", *labels])
-               for key, kind, name, text, labels in _FAMILIES}
-        for m in info.models:
-            n = [m.name]
-            fam["ok"].add_metric(n, m.requests - m.errors)
-            fam["fail"].add_metric(n + ["model_error"], m.errors)
-            fam["fail"].add_metric(n + ["bad_request"], m.bad_requests)
-            fam["rows"].add_metric(n, m.rows)
-            fam["batches"].add_metric(n, m.batches)
-            fam["over"].add_metric(n, m.over_target)
-            for reason, count in m.rejected.items():
-                fam["rejected"].add_metric(n + [reason], count)
-            fam["size"].add_metric(n, *_batch_buckets(m.batch_sizes, m.rows))
-            for key, h in (("latency", m.latency), ("queue", m.queue), ("compute", m.compute)):
-                fam[key].add_metric(n, *_latency_buckets(h))
-            fam["queued"].add_metric(n, m.queued)
-            fam["clients"].add_metric(n, m.attached_clients)
-            fam["ready"].add_metric(n, 1 if m.ready else 0)
-            for i in m.instances:
-                up = i.alive and i.state == "ready"
-                fam["up"].add_metric(n + [str(i.index), i.device], 1 if up else 0)
-                fam["restarts"].add_metric(n + [str(i.index)], i.restarts)
-        yield from fam.values()
+        for kind, name, text, labels, samples in _FAMILIES:
+            family = kind(name, text, labels=["model", *labels])
+            for m in info.models:
+                for values, *sample in samples(m):
+                    family.add_metric([m.name, *values], *sample)
+            yield family
 
 
-def _latency_buckets(h: Histogram):
-    out, cum, k = [], 0, 0
-    for bound in _EXPORT_BOUNDS:
-        while k < len(h.bounds) and h.bounds[k] <= bound:
-            cum += h.counts[k]
-            k += 1
-        out.append((repr(float(bound)), cum))
-    out.append(("+Inf", h.count))
-    return out, h.sum
+def _buckets(counts, bounds, label):
+    """Cumulative buckets for Prometheus, (label(bound), count) at each of ``bounds`` and +Inf,
+    from (upper bound, count) pairs (inf: the unbounded bucket)."""
+    counts = list(counts)
+    return [(label(bound), sum(n for upper, n in counts if upper <= bound)) for bound in bounds] + [
+        ("+Inf", sum(n for _, n in counts))]
 
 
-def _batch_buckets(sizes: dict, rows: int):
-    out = [(str(bound), sum(v for k, v in sizes.items() if 0 < k <= bound)) for bound in _BATCH_BOUNDS]
-    return out + [("+Inf", sum(sizes.values()))], rows
+def _latency(h: Histogram):
+    return (), _buckets(zip((*h.bounds, _INF), h.counts), _EXPORT_BOUNDS, lambda b: repr(float(b))), h.sum
 
 
 def start_metrics_server(port: int, runtime: Optional[str] = None, *,
