@@ -211,10 +211,9 @@ def format_status(info: RuntimeInfo) -> str:
                      f"over target {m.over_target}  restarts {m.restarts}")
         lines.append(f"  overload: rejected (deadline) {m.rejected['deadline']}  rejected (queue) "
                      f"{m.rejected['queue']}  a newcomer's expected wait {_ms(m.newcomer_wait)} ms")
-        lines.append(f"  latency ms  p50 {_ms(m.latency.quantile(0.5))}  p99 "
-                     f"{_ms(m.latency.quantile(0.99))}   queue p50 {_ms(m.queue.quantile(0.5))}  "
-                     f"p99 {_ms(m.queue.quantile(0.99))}   compute/batch p50 "
-                     f"{_ms(m.compute.quantile(0.5))}  p99 {_ms(m.compute.quantile(0.99))}")
+        lines.append("  " + "   ".join(
+            f"{what} p50 {_ms(h.quantile(0.5))}  p99 {_ms(h.quantile(0.99))}"
+            for what, h in (("latency ms ", m.latency), ("queue", m.queue), ("compute/batch", m.compute))))
         if any(m.stage_means.values()):
             lines.append("  last minute, mean per batch (ms): " + "  ".join(
                 f"{k} {v * 1e3:.2f}" for k, v in m.stage_means.items()))
@@ -222,10 +221,8 @@ def format_status(info: RuntimeInfo) -> str:
             sizes = sorted(m.batch_sizes.items(), key=lambda kv: kv[0] or 1 << 30)
             lines.append("  batch sizes: " + "  ".join(
                 f"{'>128' if k == 0 else k}:{v}" for k, v in sizes))
-        lines.append(f"  {'inst':>4} {'pid':>8} {'device':<7} {'state':<10} {'restarts':>8} "
-                     f"{'requests':>9} {'batches':>8} {'graphs':>6}")
-        for i in m.instances:
-            st = i.state if i.alive or i.state != "ready" else "dead"
-            lines.append(f"  {i.index:>4} {i.pid:>8} {i.device:<7} {st:<10} {i.restarts:>8} "
-                         f"{i.requests:>9} {i.batches:>8} {i.cuda_graphs:>6}")
+        table = [("inst", "pid", "device", "state", "restarts", "requests", "batches", "graphs")] + [
+            (i.index, i.pid, i.device, i.state if i.alive or i.state != "ready" else "dead", i.restarts,
+             i.requests, i.batches, i.cuda_graphs) for i in m.instances]
+        lines += ["  {:>4} {:>8} {:<7} {:<10} {:>8} {:>9} {:>8} {:>6}".format(*row) for row in table]
     return "\n".join(lines)
