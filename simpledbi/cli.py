@@ -155,6 +155,8 @@ def load_serve_config(args: argparse.Namespace) -> ServeConfig:
     except TypeError as e:
         raise ValueError(f"[options]: {e}") from None
     port = args.metrics_port if args.metrics_port is not None else doc.get("metrics_port")
+    if port is not None and (type(port) is not int or not 0 <= port <= 65535):   # (before any model loads)
+        raise ValueError(f"metrics_port: expected a port number 0-65535, got {port!r}")
     return ServeConfig(name, models, runtime_options, port,
                        args.metrics_addr or doc.get("metrics_addr", "0.0.0.0"),
                        float(args.drain_timeout if args.drain_timeout is not None
@@ -264,7 +266,7 @@ def _status(args: argparse.Namespace) -> int:
         print(json.dumps(dataclasses.asdict(info), indent=1, default=str))
     elif args.check:
         bad = [f"{m.name} {m.state}" + ("" if m.state != "running" else ", no instance ready: " +
-                                         ", ".join(i.state for i in m.instances))
+                                         ", ".join(i.state if i.alive else "dead" for i in m.instances))
                for m in info.models if not m.ready]
         print(f"{'READY' if info.ready else 'NOT READY'}: runtime {info.name}"
               + (f" ({', '.join(bad)})" if bad else ""))
