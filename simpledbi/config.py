@@ -61,7 +61,7 @@ class ModelConfig:
     factory: Optional[Callable[[], Any]] = None
     max_batch_size: int = 32
     model_num: int = 1
-    #: Upper bound, in seconds, on how long a request waits for others to join its batch.
+    #: Upper bound, in seconds (at most 1), on how long a request waits for others to join its batch.
     wait_time: float = 0.003
     #: Seconds: keep p99 latency (publish to answer) under this where load allows, by capping
     #: waits and batch sizes; answers later than it are counted in stats()["over_target"].
@@ -129,8 +129,8 @@ class ModelConfig:
             raise TypeError(f"factory: expected a callable, got {type(self.factory).__name__}")
         _check_range("max_batch_size", self.max_batch_size, int, "int", lambda v: v >= 1, ">= 1")
         _check_range("model_num", self.model_num, int, "int", lambda v: v >= 1, ">= 1")
-        _check_range("wait_time", self.wait_time, (int, float), "a number of seconds",
-                     lambda v: 0 <= v <= 60, "0 <= seconds <= 60")
+        _check_range("wait_time", self.wait_time, (int, float), "a number of seconds",   # above 1: ms typed as s
+                     lambda v: 0 <= v <= 1, "0 <= seconds <= 1 (e.g. wait_time=0.003 for 3 ms)")
         object.__setattr__(self, "wait_time", float(self.wait_time))
         if self.latency_target is not None:
             _check_range("latency_target", self.latency_target, (int, float), "seconds or None",

@@ -20,6 +20,7 @@ def ok(**kw):
     (dict(max_batch_size=2.5), TypeError, "max_batch_size: expected int"),
     (dict(model_num=0), ValueError, "model_num"),
     (dict(wait_time=-1), ValueError, "wait_time"),
+    (dict(wait_time=3), ValueError, "wait_time: expected 0 <= seconds <= 1 (e.g. wait_time=0.003 for 3 ms), got 3"),
     (dict(device="tpu"), ValueError, "'cpu', 'cuda', 'cuda:N' or 'auto', got 'tpu'"),
     (dict(device=[]), TypeError, "non-empty list"),
     (dict(precision="int8"), ValueError, "precision"),

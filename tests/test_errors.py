@@ -116,7 +116,7 @@ def test_model_exception_reaches_the_caller_with_its_traceback(start_runtime):
 @pytest.mark.parametrize("isolate", [False, True])
 def test_a_poisoned_batch_fails_only_the_culprit_when_isolating(start_runtime, gate, isolate):
     rt = start_runtime(cpu_model("faulty", functools.partial(models.faulty, gate.name),
-                                 max_batch_size=4, wait_time=30.0, isolate_errors=isolate))
+                                 max_batch_size=4, wait_time=1.0, isolate_errors=isolate))
     model = SharedModel("faulty", max_shape=(1, 3), namespace=rt.namespace)
     outcomes = {}
 

@@ -27,7 +27,7 @@ def test_many_workers_each_get_their_own_results():
 def test_requests_are_batched_under_load_with_the_fixed_policy():
     # A long wait_time: a batch closes only when full or when every attached client is pending.
     stats = Run(target=workers.load_worker, worker_num=6, args=(40, 6),
-                models=[cpu_model("slow", models.slow, max_batch_size=6, wait_time=5.0,
+                models=[cpu_model("slow", models.slow, max_batch_size=6, wait_time=1.0,
                                   batching="fixed")], options=FAST)
     final = max(stats, key=lambda s: s["requests"])
     assert final["mean_batch_size"] > 2.0, final
