@@ -69,29 +69,32 @@ def resolve_device(device: str, ordinal: int = 0) -> torch.device:
     return dev
 
 
-def input_names(cfg: ModelConfig, model) -> Tuple[str, ...]:
-    """The names clients may pass inputs by: ``cfg.input_names``, else the parameters of the model's
-    forward (Python signature or TorchScript schema; none if any is positional-only), at most MAX_NAMES."""
-    if cfg.input_names is not None:
-        return tuple(cfg.input_names)
-    fn = model.forward if isinstance(model, torch.nn.Module) else model
+def _parameters(fn):
+    """(name, required) of each parameter ``fn`` takes by name (Python signature or TorchScript
+    schema); None where that is unknown or any parameter is positional-only."""
     schema = getattr(fn, "schema", None)   # TorchScript methods and functions
     if schema is not None:
-        names = [a.name for a in schema.arguments]
-        names = names[1:] if names and names[0] == "self" else names
-    else:
-        try:
-            params = inspect.signature(fn).parameters.values()
-        except (TypeError, ValueError):  # builtins, some C extensions
-            return ()
-        if any(p.kind is p.POSITIONAL_ONLY for p in params):
-            return ()
-        names = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
-    names = [n for n in names if n.isidentifier()]
+        return [(a.name, not a.has_default_value()) for a in schema.arguments if a.name != "self"]
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # builtins, some C extensions
+        return None
+    if any(p.kind is p.POSITIONAL_ONLY for p in params):
+        return None
+    return [(p.name, p.default is p.empty) for p in params
+            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+
+
+def input_names(cfg: ModelConfig, model) -> Tuple[Tuple[str, ...], Tuple[str, ...]]:
+    """(names clients may pass inputs by, those the forward requires -- a keyword call lacking one
+    is refused in the client): ``cfg.input_names``, else the forward's parameters, at most MAX_NAMES."""
+    params = _parameters(model.forward if isinstance(model, torch.nn.Module) else model) or []
+    names = list(cfg.input_names or [n for n, _ in params if n.isidentifier()])
     if len(names) > MAX_NAMES:
         logger.warning("%s: forward takes %d parameters; only the first %d can be passed by name",
                        cfg.name, len(names), MAX_NAMES)
-    return tuple(names[:MAX_NAMES])
+    names = tuple(names[:MAX_NAMES])
+    return names, tuple(n for n, required in params if required and n in names)
 
 
 def load_model(cfg: ModelConfig, device: torch.device):
@@ -152,7 +155,7 @@ class Engine(GraphsAndSizes):
         if self.cuda:
             torch.cuda.set_device(self.device)
         self.model = load_model(cfg, self.device)
-        self.input_names = input_names(cfg, self.model)
+        self.input_names, self.required_inputs = input_names(cfg, self.model)
         self.cast = getattr(torch, cfg.precision) if cfg.precision != "float32" else None
         self.gather_mode = cfg.gather if cfg.gather != "auto" else ("device" if self.cuda else "host")
         self._registered = {}                        # address -> size (cudaHostRegister)

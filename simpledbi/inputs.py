@@ -34,10 +34,11 @@ def _normalize_shapes(max_shape) -> Tuple[Tuple[int, ...], ...]:
 
 
 def _client_inputs(model: str, ctl: ControlBlock, max_shape, dtype):
-    """This client's (max_shapes, dtypes, input names): as given, else as the model declares them in
-    its control block (rows: its max_batch_size; dtype: float32 where undeclared; no names where it
-    declares none, or not yet). A dtype that contradicts the declared one is refused here."""
-    names, shapes, decl_dtypes = ctl.declared()
+    """This client's (max_shapes, dtypes, input names, required names): as given, else as the model
+    declares them in its control block (rows: its max_batch_size; dtype: float32 where undeclared;
+    no names where it declares none, or not yet). A dtype that contradicts the declared one is
+    refused here."""
+    names, shapes, decl_dtypes, required = ctl.declared()
     decl_dtypes, max_batch = tuple(map(np.dtype, decl_dtypes)), int(ctl.hdr["max_batch"])
     if max_shape is None:
         if not shapes:
@@ -66,7 +67,7 @@ def _client_inputs(model: str, ctl: ControlBlock, max_shape, dtype):
     if max_shapes[0][0] > max_batch:
         raise ValueError(f"max_shape has {max_shapes[0][0]} rows but model {model!r} has "
                          f"max_batch_size={max_batch}: a request must fit in one batch")
-    return max_shapes, dtypes, names
+    return max_shapes, dtypes, names, required
 
 
 def _check_slot_size(max_shapes, dtypes) -> None:
@@ -86,7 +87,8 @@ def _check_slot_size(max_shapes, dtypes) -> None:
 class Inputs:
     def _set_inputs(self, h) -> None:
         """This client's max_shapes, dtypes and input names (_client_inputs)."""
-        self.max_shapes, self.dtypes, self.input_names = _client_inputs(self.name, h.ctl, *self._args)
+        self.max_shapes, self.dtypes, self.input_names, self._required = _client_inputs(
+            self.name, h.ctl, *self._args)
         self._fits: set = set()   # (position, shape) of inputs that fit max_shapes (_check_shape)
         self._name_index = {n: j for j, n in enumerate(self.input_names)}
 
@@ -157,8 +159,8 @@ class Inputs:
             if not all(isinstance(key, str) for key in named):
                 raise TypeError(f"model {self.name!r}: expected a dict of input names (str) to "
                                 f"arrays, got keys {list(named)!r}")
-        if not self._name_index and int(self._h.ctl.hdr["spec_len"]):
-            self.input_names = self._h.ctl.declared()[0]  # attached before they were published
+        if not self._name_index and int(self._h.ctl.hdr["spec_len"]):  # attached before they were published
+            self.input_names, *_, self._required = self._h.ctl.declared()
             self._name_index = {n: j for j, n in enumerate(self.input_names)}
         index, accepted = self._name_index, ", ".join(self.input_names)
         if not index:
@@ -177,6 +179,11 @@ class Inputs:
             if j in chosen:
                 raise TypeError(f"model {self.name!r} got multiple values for input {key!r}")
             chosen[j] = x
+        missing = ", ".join(repr(n) for n in self._required if index[n] not in chosen)
+        if missing:   # refused unsent: the forward would raise in the model process
+            got = ", ".join(self.input_names[j] for j in sorted(chosen)) or "none"
+            raise TypeError(f"model {self.name!r} is missing required input(s) {missing}; it takes "
+                            f"{accepted}, got {got}")
         if not chosen:
             raise TypeError(f"model {self.name!r}: expected at least one input, got none")
         positions = tuple(sorted(chosen))

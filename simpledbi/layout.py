@@ -280,24 +280,26 @@ class ControlBlock:
             self.hdr["broken_code"] = code
         self.hdr["state"] = state
 
-    def write_spec(self, names: Sequence[str], shapes, dtypes) -> None:
+    def write_spec(self, names: Sequence[str], required: Sequence[str], shapes, dtypes) -> None:
         """Publish the model's declared inputs (the runtime, once, before the model is RUNNING):
-        input names, item shapes and dtypes (``None`` where not declared). Clients trust it."""
+        input names, those the forward requires, item shapes and dtypes (``None`` where not
+        declared). Clients trust it."""
         data = json.dumps({"names": list(names), "shapes": shapes and [list(s) for s in shapes],
-                           "dtypes": dtypes and list(dtypes)}).encode()
+                           "dtypes": dtypes and list(dtypes), "required": list(required)}).encode()
         if len(data) > SPEC_BYTES:
             raise ValueError(f"the declared inputs take {len(data)} bytes; at most {SPEC_BYTES} fit")
         self.spec[:len(data)] = np.frombuffer(data, np.uint8)
         self.hdr["spec_len"] = len(data)  # last: readers see all of it or nothing
 
-    def declared(self) -> Tuple[Tuple[str, ...], Tuple[Tuple[int, ...], ...], Tuple[str, ...]]:
-        """(input names, item shapes, dtypes) the runtime published; empty where none are."""
+    def declared(self) -> Tuple[tuple, tuple, tuple, Tuple[str, ...]]:
+        """(input names, item shapes, dtypes, the names the forward requires) the runtime
+        published; empty where none are."""
         n = int(self.hdr["spec_len"])
         if not 0 < n <= SPEC_BYTES:
-            return (), (), ()
+            return (), (), (), ()
         d = json.loads(bytes(self.spec[:n]))
         return (tuple(d["names"]), tuple(tuple(s) for s in d["shapes"] or ()),
-                tuple(d["dtypes"] or ()))
+                tuple(d["dtypes"] or ()), tuple(d.get("required", ())))
 
     def backlog(self) -> Optional[Tuple[int, float, int]]:
         """What waits at the serving model processes, as each last published it, when every one

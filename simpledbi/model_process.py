@@ -108,7 +108,8 @@ def model_process_main(spec: ModelProcessSpec, conn, sock, ctl_fd) -> None:
     gc.freeze()
     try:
         conn.send(("ready", {"pid": os.getpid(), "device": str(server.engine.device),
-                             "input_names": list(server.engine.input_names)}))
+                             "input_names": list(server.engine.input_names),
+                             "required_inputs": list(server.engine.required_inputs)}))
         conn.close()
     except OSError:
         logger.warning("%s the runtime went away while this process loaded; exiting", server.tag)

@@ -84,7 +84,7 @@ class Runtime(Supervision, Reloads, Workers):
         self._lifecycle_lock = threading.RLock()     # restarts vs. a reload's switch
         self._reload_lock = threading.Lock()
         self.broken: Dict[str, str] = {}
-        self._input_names: Dict[str, Tuple[str, ...]] = {}   # per model, from its first "ready"
+        self._input_names: Dict[str, tuple] = {}   # per model, (names, required) from its first "ready"
         self._started = self._closed = False
         self._owner = os.getpid()   # the process that may stop it (not a fork of it)
 
@@ -137,8 +137,8 @@ class Runtime(Supervision, Reloads, Workers):
                     self._spawn_model(cfg, i)
             self._await_models()
             for cfg in self.models:  # what clients may rely on, published before RUNNING
-                self.ctls[cfg.name].write_spec(self._input_names.get(cfg.name, ()), cfg.input_shapes,
-                                               cfg.input_dtypes)
+                self.ctls[cfg.name].write_spec(*self._input_names.get(cfg.name, ((), ())),
+                                               cfg.input_shapes, cfg.input_dtypes)
             for ctl in self.ctls.values():
                 ctl.set_state(RUNNING)
             self._wake_r, self._wake_w = os.pipe()
@@ -243,11 +243,11 @@ class Runtime(Supervision, Reloads, Workers):
         m.conn.close()
         m.loading = False
         if msg is not None and msg[0] == "ready":
-            names = tuple(msg[1].get("input_names", ()))
+            names = tuple(msg[1].get("input_names", ())), tuple(msg[1].get("required_inputs", ()))
             known = self._input_names.setdefault(m.cfg.name, names)
             if names != known:  # clients were told ``known`` (ControlBlock.write_spec)
-                logger.warning("model %r process %d takes inputs named %s, not %s like the first",
-                               m.cfg.name, m.instance, names, known)
+                logger.warning("model %r process %d takes inputs named %s (required %s), not %s "
+                               "(required %s) like the first", m.cfg.name, m.instance, *names, *known)
         return msg
 
     # ------------------------------------------------------------ stop

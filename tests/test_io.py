@@ -115,6 +115,25 @@ def test_unknown_keyword_is_a_type_error_before_anything_is_sent(start_runtime):
         _assert_dict_equal(m(input_ids=_ids()), _expect(_ids()))
 
 
+def test_a_missing_required_keyword_input_is_a_type_error_before_anything_is_sent(start_runtime, tmp_path):
+    path = str(tmp_path / "scripted.pt")
+    torch.jit.script(models.Scriptable()).save(path)   # both inputs required (its schema)
+    rt = start_runtime(_hf(), cpu_model("ts", None, path=path, max_batch_size=4, input_shapes=[(4,), (4,)],
+                                         input_dtypes=("int64", "int64")))
+    with SharedModel("ts", namespace=rt.namespace) as m:
+        with pytest.raises(TypeError, match=r"model 'ts' is missing required input\(s\) 'attention_mask'; it "
+                                            r"takes input_ids, attention_mask, got input_ids"):
+            m(input_ids=_ids())
+        with pytest.raises(TypeError, match=r"missing required input\(s\) 'input_ids'.*got attention_mask"):
+            m({"attention_mask": _ids()})
+        assert m.stats()["requests"] == 0
+    with SharedModel("hf", namespace=rt.namespace) as m:   # only input_ids has no default
+        with pytest.raises(TypeError, match=r"missing required input\(s\) 'input_ids'"):
+            m(attention_mask=_ids())
+        assert m.stats()["requests"] == 0
+        _assert_dict_equal(m(input_ids=_ids()), _expect(_ids()))   # optional ones may be left out
+
+
 def test_a_dtype_other_than_the_declared_one_is_refused_in_the_client(start_runtime):
     rt = start_runtime(_hf())
     with SharedModel("hf", namespace=rt.namespace) as m:
