@@ -1,8 +1,12 @@
 """What a new user hits first: a runtime started from a notebook, stdin or ``python -c``."""
 from __future__ import annotations
 
+import ast
+import builtins
 import functools
+import itertools
 import os
+import re
 import subprocess
 import sys
 
@@ -136,6 +140,33 @@ def test_without_cloudpickle_such_a_run_target_is_refused_before_start_up():
         last = p.stderr.strip().splitlines()[-1]
         assert last.startswith("TypeError: Run: target __main__.worker cannot reach the worker processes: "
                                f"it is defined in __main__, which here is {where}"), last
+
+
+def _undefined(code: str) -> set:
+    """Names a snippet reads but never binds (import, assignment, def, argument) and that are no
+    builtins (scopes are not told apart: enough for a README snippet)."""
+    bound, used = set(dir(builtins)), set()
+    for node in ast.walk(ast.parse(code)):
+        if isinstance(node, ast.Name):
+            (used if isinstance(node.ctx, ast.Load) else bound).add(node.id)
+        elif isinstance(node, (ast.FunctionDef, ast.ClassDef, ast.ExceptHandler)):
+            bound.add(node.name)
+        elif isinstance(node, ast.alias):
+            bound.add((node.asname or node.name).split(".")[0])
+        elif isinstance(node, ast.arg):
+            bound.add(node.arg)
+    return used - bound
+
+
+def test_every_readme_python_snippet_runs_as_pasted_or_says_it_is_a_fragment_and_what_it_lacks():
+    with open(os.path.join(ROOT, "README.md")) as f:
+        blocks = re.findall(r"^```python\n(.*?)^```", f.read(), re.S | re.M)
+    assert len(blocks) >= 5
+    for code in blocks:
+        note = " ".join(itertools.takewhile(lambda line: line.startswith("#"), code.splitlines()))
+        missing = _undefined(code)
+        unsaid = [n for n in missing if not re.search(rf"\b{n}\b", note)]
+        assert not missing or "fragment" in note and not unsaid, (sorted(missing), code)
 
 
 def test_which_factories_travel_by_value():
