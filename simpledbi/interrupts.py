@@ -13,7 +13,9 @@ to another thread, and CPython raises KeyboardInterrupt in the main thread at it
 inside ``Process.start()`` between spawning the child and writing its bootstrap data (the child
 dies printing "EOFError: Ran out of input"), or before the runtime recorded the child (shutdown
 then neither stops nor joins it). So while the block lasts the main thread's SIGINT handler only
-takes note, and the Ctrl-C is raised when it ends; callers record the child inside the block."""
+takes note, and the Ctrl-C is raised when it ends; callers record the child inside the block.
+SIGTERM is held the same way (Run's handler raises; the default ends the process): bootstrap data
+larger than a pipe holds keeps ``start()`` writing until the child, importing, reads it all."""
 from __future__ import annotations
 
 import contextlib
@@ -22,33 +24,36 @@ import threading
 from multiprocessing import resource_tracker
 
 _SIGINT = {signal.SIGINT}
+_HELD = (signal.SIGINT, signal.SIGTERM)   # held while a child starts, raised after
 
 
 @contextlib.contextmanager
 def children_deaf_to_ctrl_c():
-    """Children started inside this block begin with SIGINT blocked; a Ctrl-C meanwhile is raised
-    when the block ends, never inside it (NOTE [Ctrl-C and children])."""
+    """Children started inside this block begin with SIGINT blocked; a Ctrl-C or SIGTERM meanwhile
+    is raised when the block ends, never inside it (NOTE [Ctrl-C and children])."""
     # multiprocessing starts its resource tracker with the first spawned child, unblocking SIGINT
     # when done: start it first, or that child would begin with SIGINT unblocked
     resource_tracker.ensure_running()
-    # The main thread's handler records a Ctrl-C meanwhile. Nothing to hold elsewhere (Python runs
-    # handlers in the main thread only), nor when SIGINT is ignored or handled outside Python.
-    previous, pending = None, []
-    if threading.current_thread() is threading.main_thread() and \
-            signal.getsignal(signal.SIGINT) not in (None, signal.SIG_IGN):
-        previous = signal.signal(signal.SIGINT, lambda signum, frame: pending.append(signum))
+    # The main thread's handlers record a signal meanwhile. Nothing to hold elsewhere (Python runs
+    # handlers in the main thread only), nor where one is ignored or handled outside Python.
+    previous, pending = {}, []
+    if threading.current_thread() is threading.main_thread():
+        for sig in _HELD:
+            if signal.getsignal(sig) not in (None, signal.SIG_IGN):
+                previous[sig] = signal.signal(sig, lambda signum, frame: pending.append(signum))
     old = signal.pthread_sigmask(signal.SIG_BLOCK, _SIGINT)
     try:
         yield
     finally:
         # unblocking delivers a SIGINT the kernel kept pending, to the recorder still installed
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
-        if previous is not None:
-            signal.signal(signal.SIGINT, previous)
-            if pending and callable(previous):
-                previous(signal.SIGINT, None)   # default_int_handler: KeyboardInterrupt
-            elif pending:                       # SIG_DFL: the process ends, as it would have
-                signal.raise_signal(signal.SIGINT)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        for sig in dict.fromkeys(pending):   # each once, in the order they came
+            if callable(previous[sig]):
+                previous[sig](sig, None)     # default_int_handler: KeyboardInterrupt; Run's: SystemExit
+            else:                            # SIG_DFL: the process ends, as it would have
+                signal.raise_signal(sig)
 
 
 def child_signals() -> None:

@@ -145,6 +145,31 @@ def test_ctrl_c_while_children_start_is_reported_by_the_main_process_only(tmp_pa
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("how,code", [("run", 128 + signal.SIGTERM), ("runtime", -signal.SIGTERM)])
+def test_sigterm_while_a_model_process_is_being_started_is_clean(tmp_path, how, code):
+    # Its bootstrap data is more than a pipe holds, so starting it waits until the child (slow to
+    # start, as with torch) reads it: a SIGTERM then (Run's handler raises, a bare Runtime's is the
+    # default) cut that data short and the child printed "UnpicklingError: pickle data was truncated"
+    # (or "EOFError: Ran out of input"), a child no shutdown knew of.
+    proc = subprocess.Popen([sys.executable, "-m", "tests.apps.app", "big_start", how], cwd=ROOT,
+                            text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env=dict(os.environ, APP_SLOW_START=str(tmp_path)))
+    try:
+        deadline = time.monotonic() + 60
+        while len(os.listdir(tmp_path)) < 2:   # the janitor and the model process are starting
+            assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
+            threading.Event().wait(0.01)   # bounded wait on a file condition
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)   # until the janitor, last, closed stderr too
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == code and _clean(err), (proc.returncode, err)
+    assert ours(proc.pid) == []
+
+
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("start_method,to_group", [("spawn", True), ("fork", True), ("fork", False)])
 def test_a_runtime_killed_by_a_signal_leaves_nothing_behind(start_method, to_group):
     # SIGTERM to the group is what a notebook kernel's shutdown or restart does (and systemd, or

@@ -8,8 +8,11 @@ MODE: ok | worker_raises | worker_dies | busy (loops until signalled; prints REA
 | slow_load DIR (a factory that touches DIR/loading, then takes minutes; join_timeout 30 s)
 | runtime NAME (a started ``Runtime`` named NAME, served once, then idle with no signal handler
 of its own: what a notebook kernel holds; prints READY)
+| big_start run|runtime (``Run`` or a bare ``Runtime`` whose factory carries more than a pipe
+holds: starting the model process waits until the child reads it)
 APP_SLOW_START=DIR: each child, while it starts, creates DIR/<pid> and sleeps 3 s.
 """
+import functools
 import logging
 import os
 import sys
@@ -34,6 +37,10 @@ def affine():
 def faulty():
     from tests.models import Faulty
     return Faulty()
+
+
+def carrying(payload):
+    return affine()
 
 
 def endless_load():
@@ -102,6 +109,14 @@ def main(mode):
             os.waitpid(pid, 0)
             np.testing.assert_array_equal(m.forward(x), x * 2 + 1)
             print("OK", flush=True)
+        return 0
+    if mode == "big_start":
+        cfg = ModelConfig(name="m", factory=functools.partial(carrying, b"x" * 300_000), device="cpu")
+        if sys.argv[2] == "run":
+            Run(models=[cfg], worker_num=0)
+        else:
+            from simpledbi import Runtime
+            Runtime([cfg]).start().shutdown()
         return 0
     if mode == "slow_load":
         os.environ["APP_LOADING_DIR"] = sys.argv[2]   # inherited by the model process
