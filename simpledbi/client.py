@@ -228,11 +228,16 @@ class SharedModel(Inputs):
             pause = min(pause * 2, 0.2)
 
     def _reattach(self, old: "_Handles", deadline: Optional[float]) -> "_Handles":
-        """The runtime ``old`` belongs to is stopping or gone: attach to its successor."""
+        """The runtime ``old`` belongs to is stopping or gone: attach to its successor. Each call
+        waits for it on its own clock (its timeout, the connect timeout), not behind another's
+        wait: the lock is taken only to install what was found."""
+        if self._h is not old:  # another thread did it
+            return self._h
+        new = self._connect(old.namespace, deadline)
         with self._attach_lock:
-            if self._h is not old:  # another thread did it
+            if self._h is not old:  # another thread did it meanwhile: its handles serve
+                new.release()
                 return self._h
-            new = self._connect(old.namespace, deadline)
             try:
                 self._set_inputs(new)   # what the successor's model declares
             except BaseException:

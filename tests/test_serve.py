@@ -190,6 +190,53 @@ def test_close_ends_a_call_waiting_for_the_named_runtime_to_come_back():
     assert isinstance(got.get("error"), RuntimeStopped) and "closed" in str(got["error"]), got
 
 
+@pytest.mark.timeout(120)
+def test_calls_waiting_for_the_named_runtime_to_come_back_each_keep_their_own_timeout():
+    """Calls of one handle wait for a successor side by side, each on its own clock: a call with
+    timeout=0.5 s behind one without a timeout used to wait out that call's connect_timeout first
+    (the wait held the handle's attach lock), and the k-th call without one k connect timeouts."""
+    name = _name()
+    client = _attached_to_a_runtime_that_stopped(name, connect_timeout=30)
+    x = np.ones((1, 3), np.float32)
+    connecting, got = threading.Semaphore(0), {}
+    connect = client._connect
+
+    def watched_connect(*a, **kw):   # a call is now waiting for a successor
+        connecting.release()
+        return connect(*a, **kw)
+
+    client._connect = watched_connect
+
+    def call(k, timeout=None):
+        t0 = time.monotonic()
+        try:
+            got[k] = client.forward(x, timeout=timeout)
+        except BaseException as e:  # noqa: BLE001 - asserted below
+            got[k] = e
+        got[k, "s"] = time.monotonic() - t0
+
+    waiting = [threading.Thread(target=call, args=(k,)) for k in range(3)]
+    waiting[0].start()
+    assert connecting.acquire(timeout=30)
+    hurried = threading.Thread(target=call, args=("hurried", 0.5))
+    hurried.start()
+    hurried.join(20)   # (connect_timeout is 30 s)
+    assert not hurried.is_alive() and isinstance(got["hurried"], simpledbi.RuntimeUnavailable), got
+    assert got["hurried", "s"] < 5, got
+    for t in waiting[1:]:   # they wait side by side
+        t.start()
+        assert connecting.acquire(timeout=10)
+    with Runtime([cpu_model("m", models.affine)], FAST, name=name) as second:
+        for t in waiting:
+            t.join(60)
+        assert not any(t.is_alive() for t in waiting)
+        for k in range(3):   # all three re-attached, to one set of handles
+            np.testing.assert_array_equal(got[k], x * 2 + 1)
+        assert client.namespace == second.namespace
+        np.testing.assert_array_equal(client.forward(x, timeout=10), x * 2 + 1)
+        client.close()
+
+
 # ---------------------------------------------------------------- simpledbi serve
 @pytest.mark.timeout(180)
 def test_serve_drains_accepted_requests_at_sigterm_and_cleans_up(gate):
