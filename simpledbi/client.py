@@ -434,6 +434,8 @@ class SharedModel(Inputs):
         status, text, structure = slot.response()
         if status != ST_OK:
             if status == ST_STOPPED:   # the runtime stopped before computing it: it never ran
+                if h.ctl.state == BROKEN:   # (a model process stops when its model is marked
+                    self._raise_runtime_state(h)   # broken: the runtime itself is still there)
                 self._stopped(h, text or "runtime stopped")
             raise _status_error(self.name, status, text, slot.call_timeout, slot.call_start, h.max_queue)
         outs = slot.outputs()

@@ -3,6 +3,7 @@ restart, draining at SIGTERM, status / inspect / Prometheus, model-process logs,
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import os
@@ -20,6 +21,7 @@ import pytest
 import simpledbi
 from simpledbi import RuntimeStopped, SharedModel, naming
 from simpledbi.cli import load_serve_config, _parser
+from simpledbi.layout import BROKEN
 from simpledbi.runtime import Runtime
 
 from . import models
@@ -235,6 +237,67 @@ def test_calls_waiting_for_the_named_runtime_to_come_back_each_keep_their_own_ti
         assert client.namespace == second.namespace
         np.testing.assert_array_equal(client.forward(x, timeout=10), x * 2 + 1)
         client.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_request_held_when_its_model_breaks_gets_model_process_died_at_once(gate):
+    """A model marked broken while a surviving process holds requests of a client attached by name:
+    that process, stopping, answers them "stopped"; the client took it for its runtime gone and
+    waited connect_timeout for a successor -- on that call and every later one of the handle -- then
+    raised RuntimeUnavailable, though the runtime runs on. Now: ModelProcessDied, at once."""
+    name = _name()
+    cfg = cpu_model("m", functools.partial(models.sleepy, 0.0, gate.name), model_num=2,
+                    max_batch_size=2, wait_time=0.001, max_restarts=0)
+    with Runtime([cfg], FAST, name=name) as rt:
+        m = SharedModel("m", (1, 2), runtime=name, connect_timeout=60)
+        other = SharedModel("m", (1, 3), runtime=name, connect_timeout=60)   # another item shape
+        held = lambda: sorted(int(v) for v in rt.ctls["m"].instances["held"][:2])   # noqa: E731
+        got, threads = {}, []
+
+        def start(k, h, x):
+            def call():
+                try:
+                    got[k] = h.forward(x)
+                except BaseException as e:  # noqa: BLE001 - asserted below
+                    got[k] = e
+            threads.append(threading.Thread(target=call))
+            threads[-1].start()
+
+        def sent(h, n):
+            return lambda: sum(s.sent_seq == s.seq for s in list(h._h.busy)) == n
+
+        start("gated", m, np.full((1, 2), models.GATE, np.float32))
+        gate.wait_entered()                                          # process A: in the gate
+        start("slow", m, np.full((1, 2), models.SLOW, np.float32))   # process B: a 1 s batch
+        _wait_until(lambda: held() == [1, 1])
+        start("gated2", m, np.full((1, 2), models.GATE, np.float32))
+        _wait_until(sent(m, 3))
+        for k in range(2):   # queued behind it: B takes them, of another shape, into its backlog
+            start(k, other, np.full((1, 3), float(k), np.float32))
+            _wait_until(sent(other, k + 1))
+        gate.wait_entered()                                          # B: gated2, and holds 0 and 1
+        assert held() == [1, 3]
+        a = int(np.argmin(rt.ctls["m"].instances["held"][:2]))
+        os.kill(int(rt.ctls["m"].instances["pid"][a]), signal.SIGKILL)   # max_restarts=0: broken
+        _wait_until(lambda: rt.ctls["m"].state == BROKEN)
+        gate.open()
+        gate.open()
+        for t in threads:
+            t.join(20)   # not connect_timeout (60 s)
+        assert not any(t.is_alive() for t in threads), got
+        assert isinstance(got[0], simpledbi.ModelProcessDied) and \
+            isinstance(got[1], simpledbi.ModelProcessDied), got
+        with pytest.raises(simpledbi.ModelProcessDied):
+            other.forward(np.ones((1, 3), np.float32), timeout=10)   # later calls: at once too
+        m.close()
+        other.close()
+
+
+def _wait_until(cond, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached"
+        threading.Event().wait(0.002)   # bounded wait on a shared-memory condition
 
 
 # ---------------------------------------------------------------- simpledbi serve
