@@ -177,10 +177,12 @@ class SharedModel(Inputs):
     def ctl(self) -> ControlBlock:
         return self._h.ctl
 
-    def _connect(self, avoid: Optional[str] = None, call_deadline: Optional[float] = None) -> "_Handles":
+    def _connect(self, avoid: Optional[str] = None, call_deadline: Optional[float] = None,
+                 cancel: Optional["_Cancel"] = None) -> "_Handles":
         """Attach to the runtime named ``self.runtime`` (not to namespace ``avoid``: the one
         that went away), waiting for it to come up until the connect timeout ends, or the
-        call's (``call_deadline``), whichever ends first."""
+        call's (``call_deadline``), whichever ends first, or the handle is closed, or the call's
+        forward_async task cancelled (``cancel``)."""
         now = time.monotonic()
         deadline, call_timeout = now + self.connect_timeout, None
         if call_deadline is not None and call_deadline < deadline:
@@ -209,6 +211,8 @@ class SharedModel(Inputs):
                     h.release()
             if getattr(self, "_closed", False):   # close() from another thread while waiting
                 raise RuntimeStopped(f"SharedModel({self.name!r}) is closed")
+            if cancel is not None and cancel.cancelled:   # its task is gone: free the pool's thread
+                raise RuntimeStopped(f"model {self.name!r}: the awaiting task was cancelled")
             left = deadline - time.monotonic()
             if left <= 0:
                 what = ("finished starting (its model processes were still loading)" if starting
@@ -227,13 +231,14 @@ class SharedModel(Inputs):
             time.sleep(min(pause, left))
             pause = min(pause * 2, 0.2)
 
-    def _reattach(self, old: "_Handles", deadline: Optional[float]) -> "_Handles":
+    def _reattach(self, old: "_Handles", deadline: Optional[float],
+                  cancel: Optional["_Cancel"] = None) -> "_Handles":
         """The runtime ``old`` belongs to is stopping or gone: attach to its successor. Each call
         waits for it on its own clock (its timeout, the connect timeout), not behind another's
         wait: the lock is taken only to install what was found."""
         if self._h is not old:  # another thread did it
             return self._h
-        new = self._connect(old.namespace, deadline)
+        new = self._connect(old.namespace, deadline, cancel)
         with self._attach_lock:
             if self._h is not old:  # another thread did it meanwhile: its handles serve
                 new.release()
@@ -285,7 +290,7 @@ class SharedModel(Inputs):
         while True:
             h = self._h
             if self.runtime is not None and (h.gone or h.ctl.state >= STOPPING and h.ctl.state != BROKEN):
-                h = self._reattach(h, deadline)
+                h = self._reattach(h, deadline, cancel)
             slot = h.borrow(self)
             slot.call_timeout, slot.call_start, slot.priority = timeout, t_call, priority
             slot.cancel = cancel

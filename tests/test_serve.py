@@ -240,6 +240,43 @@ def test_calls_waiting_for_the_named_runtime_to_come_back_each_keep_their_own_ti
 
 
 @pytest.mark.timeout(120)
+def test_a_cancelled_forward_async_waiting_for_the_named_runtime_frees_its_thread():
+    """Cancelling forward_async tasks whose calls wait for a named runtime to come back ends those
+    waits too: the pool's threads kept waiting (up to connect_timeout) for a call nobody awaits."""
+    name = _name()
+    client = _attached_to_a_runtime_that_stopped(name, connect_timeout=60)
+    waiting, lock = [0], threading.Lock()
+    connect = client._connect
+
+    def watched_connect(*a, **kw):   # counts the calls waiting for a successor
+        with lock:
+            waiting[0] += 1
+        try:
+            return connect(*a, **kw)
+        finally:
+            with lock:
+                waiting[0] -= 1
+
+    client._connect = watched_connect
+
+    async def main():
+        tasks = [asyncio.ensure_future(client.forward_async(np.ones((1, 3), np.float32)))
+                 for _ in range(8)]
+        while waiting[0] < 8:
+            await asyncio.sleep(0.005)   # bounded by the test's timeout: all 8 wait for a successor
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    asyncio.run(main())
+    deadline = time.monotonic() + 10   # not connect_timeout (60 s)
+    while waiting[0] and time.monotonic() < deadline:
+        threading.Event().wait(0.01)
+    assert waiting[0] == 0, f"{waiting[0]} pool threads still wait for the runtime of cancelled tasks"
+    client.close()
+
+
+@pytest.mark.timeout(120)
 def test_a_request_held_when_its_model_breaks_gets_model_process_died_at_once(gate):
     """A model marked broken while a surviving process holds requests of a client attached by name:
     that process, stopping, answers them "stopped"; the client took it for its runtime gone and
