@@ -691,6 +691,8 @@ class _Handles:
             self._sndtimeo = seconds
 
     def borrow(self, client: SharedModel) -> ClientSlot:
+        if os.getpid() != self.pid:   # forked by a fork() that skipped Python's hooks (one in C):
+            self._new_pool()          # lending the parent's slots would cross answers
         with self.lock:
             if self.closed:
                 raise RuntimeStopped(f"SharedModel({self.name!r}) is closed")
@@ -735,6 +737,7 @@ class _Handles:
 
     def _new_pool(self) -> None:
         """This process's empty slot pool (in a forked child too: the parent's calls use its slots)."""
+        self.pid = os.getpid()
         self.lock = threading.Lock()
         self.idle: List[ClientSlot] = []
         self.stale: List[ClientSlot] = []   # owed a late answer: lent again once settled()

@@ -110,6 +110,24 @@ def main(mode):
             np.testing.assert_array_equal(m.forward(x), x * 2 + 1)
             print("OK", flush=True)
         return 0
+    if mode == "raw_fork":   # a fork() in C (no Python at-fork hooks run): the child gets its own slots
+        import ctypes
+        from simpledbi import Runtime
+        cfg = ModelConfig(name="m", factory=affine, max_batch_size=4, device="cpu", num_threads=1)
+        with Runtime([cfg]) as rt:
+            m = SharedModel("m", max_shape=(2, 3), namespace=rt.namespace)
+            x = np.ones((2, 3), np.float32)
+            m.forward(x)
+            parents = {s.token for s in m._h.idle}
+            pid = ctypes.PyDLL(None).fork()   # (PyDLL: the GIL stays held through the call)
+            if pid == 0:
+                ok = np.array_equal(m.forward(x + 1), (x + 1) * 2 + 1) and \
+                    not parents & {s.token for s in m._h.idle}
+                os._exit(0 if ok else 1)
+            _, status = os.waitpid(pid, 0)
+            np.testing.assert_array_equal(m.forward(x), x * 2 + 1)
+            print("OK" if os.waitstatus_to_exitcode(status) == 0 else "CHILD LENT THE PARENT'S SLOTS", flush=True)
+        return 0
     if mode == "big_start":
         cfg = ModelConfig(name="m", factory=functools.partial(carrying, b"x" * 300_000), device="cpu")
         if sys.argv[2] == "run":
