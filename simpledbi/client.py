@@ -179,57 +179,7 @@ class SharedModel(Inputs):
 
     def _connect(self, avoid: Optional[str] = None, call_deadline: Optional[float] = None,
                  cancel: Optional["_Cancel"] = None) -> "_Handles":
-        """Attach to the runtime named ``self.runtime`` (not to namespace ``avoid``: the one
-        that went away), waiting for it to come up until the connect timeout ends, or the
-        call's (``call_deadline``), whichever ends first, or the handle is closed, or the call's
-        forward_async task cancelled (``cancel``)."""
-        now = time.monotonic()
-        deadline, call_timeout = now + self.connect_timeout, None
-        if call_deadline is not None and call_deadline < deadline:
-            deadline, call_timeout = call_deadline, call_deadline - now
-        pause, told = 0.01, False
-        while True:
-            reg, starting = naming.resolve(self.runtime), False   # (as last seen)
-            if reg is None and not told and avoid is None:
-                told = True   # a typo would otherwise be connect_timeout seconds of silence
-                logger.warning("no simpledbi runtime named %r is running yet; waiting up to %.3g s "
-                               "for it (connect_timeout)", self.runtime, deadline - time.monotonic())
-            if reg is not None and reg.namespace != avoid:
-                if self.name not in reg.models:
-                    raise LookupError(f"runtime {self.runtime!r} serves {list(reg.models)}, not "
-                                      f"{self.name!r}")
-                try:
-                    h = _Handles.open(reg.namespace, self.name)
-                except (LookupError, RuntimeError, OSError):
-                    pass  # still creating its files, or gone again: look once more
-                else:
-                    if h.ctl.state != STARTING:
-                        return h
-                    # its model processes still load: what the model declares (input shapes,
-                    # dtypes, names) is published with RUNNING, and this client is built on it
-                    starting = True
-                    h.release()
-            if getattr(self, "_closed", False):   # close() from another thread while waiting
-                raise RuntimeStopped(f"SharedModel({self.name!r}) is closed")
-            if cancel is not None and cancel.cancelled:   # its task is gone: free the pool's thread
-                raise RuntimeStopped(f"model {self.name!r}: the awaiting task was cancelled")
-            left = deadline - time.monotonic()
-            if left <= 0:
-                what = ("finished starting (its model processes were still loading)" if starting
-                        else "came back" if avoid else "is running")
-                if call_timeout is not None:
-                    raise RuntimeUnavailable(
-                        f"model {self.name!r}: no result within the timeout ({call_timeout:.3g} s): "
-                        f"no simpledbi runtime named {self.runtime!r} {what} meanwhile")
-                hint = ("raise connect_timeout for a model that loads longer" if starting else
-                        f"start it with `simpledbi serve --name {self.runtime} ...` or "
-                        f"Runtime(models, name={self.runtime!r})" + _running_now())
-                raise RuntimeUnavailable(f"no simpledbi runtime named {self.runtime!r} {what} within "
-                                         f"the connect timeout ({self.connect_timeout:g} s); {hint}")
-            # Connecting is rare (start-up, a runtime restart): a short backed-off poll of the
-            # registration file costs nothing while requests flow.
-            time.sleep(min(pause, left))
-            pause = min(pause * 2, 0.2)
+        return _Handles.find(self, avoid, call_deadline, cancel)
 
     def _reattach(self, old: "_Handles", deadline: Optional[float],
                   cancel: Optional["_Cancel"] = None) -> "_Handles":
@@ -620,7 +570,6 @@ class _Handles:
         self.closed = False
         self.gone = False          # its runtime's main process was seen dead
         self._send_fd = not _dumpable()
-        self._sndtimeo = -1.0
         self.default_timeout = ctl.default_timeout   # ModelConfig.default_timeout, or None
         self.max_queue = ctl.max_queue               # ModelConfig.max_queue, or None
 
@@ -663,6 +612,61 @@ class _Handles:
             raise
         return cls(namespace, name, ctl, sock)
 
+    @classmethod
+    def find(cls, model: SharedModel, avoid: Optional[str] = None, call_deadline: Optional[float] = None,
+             cancel: Optional["_Cancel"] = None) -> "_Handles":
+        """Attach ``model`` to the runtime named ``model.runtime`` (not to namespace ``avoid``: the one
+        that went away), waiting for it to come up until the connect timeout ends, or the
+        call's (``call_deadline``), whichever ends first, or the handle is closed, or the call's
+        forward_async task cancelled (``cancel``)."""
+        now = time.monotonic()
+        deadline, call_timeout = now + model.connect_timeout, None
+        if call_deadline is not None and call_deadline < deadline:
+            deadline, call_timeout = call_deadline, call_deadline - now
+        pause, told = 0.01, False
+        while True:
+            reg, starting = naming.resolve(model.runtime), False   # (as last seen)
+            if reg is None and not told and avoid is None:
+                told = True   # a typo would otherwise be connect_timeout seconds of silence
+                logger.warning("no simpledbi runtime named %r is running yet; waiting up to %.3g s "
+                               "for it (connect_timeout)", model.runtime, deadline - time.monotonic())
+            if reg is not None and reg.namespace != avoid:
+                if model.name not in reg.models:
+                    raise LookupError(f"runtime {model.runtime!r} serves {list(reg.models)}, not "
+                                      f"{model.name!r}")
+                try:
+                    h = cls.open(reg.namespace, model.name)
+                except (LookupError, RuntimeError, OSError):
+                    pass  # still creating its files, or gone again: look once more
+                else:
+                    if h.ctl.state != STARTING:
+                        return h
+                    # its model processes still load: what the model declares (input shapes,
+                    # dtypes, names) is published with RUNNING, and this client is built on it
+                    starting = True
+                    h.release()
+            if getattr(model, "_closed", False):   # close() from another thread while waiting
+                raise RuntimeStopped(f"SharedModel({model.name!r}) is closed")
+            if cancel is not None and cancel.cancelled:   # its task is gone: free the pool's thread
+                raise RuntimeStopped(f"model {model.name!r}: the awaiting task was cancelled")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                what = ("finished starting (its model processes were still loading)" if starting
+                        else "came back" if avoid else "is running")
+                if call_timeout is not None:
+                    raise RuntimeUnavailable(
+                        f"model {model.name!r}: no result within the timeout ({call_timeout:.3g} s): "
+                        f"no simpledbi runtime named {model.runtime!r} {what} meanwhile")
+                hint = ("raise connect_timeout for a model that loads longer" if starting else
+                        f"start it with `simpledbi serve --name {model.runtime} ...` or "
+                        f"Runtime(models, name={model.runtime!r})" + _running_now())
+                raise RuntimeUnavailable(f"no simpledbi runtime named {model.runtime!r} {what} within "
+                                         f"the connect timeout ({model.connect_timeout:g} s); {hint}")
+            # Connecting is rare (start-up, a runtime restart): a short backed-off poll of the
+            # registration file costs nothing while requests flow.
+            time.sleep(min(pause, left))
+            pause = min(pause * 2, 0.2)
+
     def refuse(self, slot: ClientSlot, deadline: Optional[float]) -> None:
         """Raise Overloaded if the call in ``slot`` is refused here, unsent (NOTE [overload]): while
         every serving process has requests waiting, it would wait past its ``deadline`` or beyond
@@ -682,13 +686,13 @@ class _Handles:
         raise _overloaded(self.name, why, slot.call_timeout, slot.call_start, self.max_queue, waiting)
 
     def set_send_timeout(self, seconds: float) -> None:
-        """How long a blocking send waits for room in the model's queue (a kernel wait)."""
+        """How long a blocking send waits for room in the model's queue (a kernel wait). Set before
+        every such wait, never cached: the socket's setting is shared with this handle's other
+        threads and forked children (a child's 20 ms left its parent looping every 20 ms)."""
         seconds = max(seconds, 1e-6)
-        if abs(seconds - self._sndtimeo) > 1e-4:
-            sec = int(seconds)
-            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
-                                 struct.pack("ll", sec, int((seconds - sec) * 1e6)))
-            self._sndtimeo = seconds
+        sec = int(seconds)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
+                             struct.pack("ll", sec, int((seconds - sec) * 1e6)))
 
     def borrow(self, client: SharedModel) -> ClientSlot:
         if os.getpid() != self.pid:   # forked by a fork() that skipped Python's hooks (one in C):

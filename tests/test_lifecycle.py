@@ -373,8 +373,7 @@ def test_a_sigterm_during_shutdown_is_handed_over_once_it_is_done(gate):
 def test_a_child_forked_in_c_without_pythons_fork_hooks_does_not_lend_its_parents_slots():
     # A fork() made by C code runs no os.register_at_fork hook: the handle still sees the pid change
     # (parent and child lending the same slot crossed answers).
-    proc = subprocess.Popen([sys.executable, "-m", "tests.apps.app", "raw_fork"], cwd=ROOT,
-                            text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = _start("raw_fork")
     out, err = proc.communicate(timeout=100)
     assert proc.returncode == 0 and "OK" in out, (out, err)
     assert ours(proc.pid) == []
@@ -384,8 +383,7 @@ def test_a_child_forked_in_c_without_pythons_fork_hooks_does_not_lend_its_parent
 def test_a_forked_child_that_exits_leaves_its_parents_runtime_running():
     # Its atexit shut the parent's runtime down (STOPPING, namespace removed), and it tried to
     # join the parent's janitor: "AssertionError: can only join a child process".
-    proc = subprocess.Popen([sys.executable, "-m", "tests.apps.app", "fork_child_exit"], cwd=ROOT,
-                            text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = _start("fork_child_exit")
     out, err = proc.communicate(timeout=100)
     assert proc.returncode == 0 and "OK" in out, (out, err)
     assert "Traceback" not in err and "Exception ignored" not in err, err
