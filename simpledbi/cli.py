@@ -238,6 +238,7 @@ def _reload(args: argparse.Namespace) -> int:
     path = args.path
     if path is not None:
         if os.path.isfile(path):
+            sources.resolve(path)          # a Python file is refused here, saying what to write
             path = os.path.abspath(path)   # the serve process has a working directory of its own
         elif not sources.is_import_path(path):
             sources.resolve(path)          # neither: raises, saying what was tried

@@ -178,17 +178,17 @@ class SharedModel(Inputs):
         return self._h.ctl
 
     def _connect(self, avoid: Optional[str] = None, call_deadline: Optional[float] = None,
-                 cancel: Optional["_Cancel"] = None) -> "_Handles":
-        return _Handles.find(self, avoid, call_deadline, cancel)
+                 cancel: Optional["_Cancel"] = None, timeout: Optional[float] = None) -> "_Handles":
+        return _Handles.find(self, avoid, call_deadline, cancel, timeout)
 
     def _reattach(self, old: "_Handles", deadline: Optional[float],
-                  cancel: Optional["_Cancel"] = None) -> "_Handles":
+                  cancel: Optional["_Cancel"] = None, timeout: Optional[float] = None) -> "_Handles":
         """The runtime ``old`` belongs to is stopping or gone: attach to its successor. Each call
         waits for it on its own clock (its timeout, the connect timeout), not behind another's
         wait: the lock is taken only to install what was found."""
         if self._h is not old:  # another thread did it
             return self._h
-        new = self._connect(old.namespace, deadline, cancel)
+        new = self._connect(old.namespace, deadline, cancel, timeout)
         with self._attach_lock:
             if self._h is not old:  # another thread did it meanwhile: its handles serve
                 new.release()
@@ -240,7 +240,7 @@ class SharedModel(Inputs):
         while True:
             h = self._h
             if self.runtime is not None and (h.gone or h.ctl.state >= STOPPING and h.ctl.state != BROKEN):
-                h = self._reattach(h, deadline, cancel)
+                h = self._reattach(h, deadline, cancel, timeout)
             slot = h.borrow(self)
             slot.call_timeout, slot.call_start, slot.priority = timeout, t_call, priority
             slot.cancel = cancel
@@ -459,7 +459,7 @@ class SharedModel(Inputs):
         if ctl.state == BROKEN:
             raise ModelProcessDied(ctl.message() or f"model {self.name!r}: the runtime is broken",
                                    int(ctl.hdr["broken_code"]) or None)
-        self._stopped(h, "the runtime is shutting down")
+        self._stopped(h, "the runtime has stopped or is stopping")
 
 
 def _overloaded(name: str, why: Refusal, timeout: Optional[float], t_call: float,
@@ -614,15 +614,15 @@ class _Handles:
 
     @classmethod
     def find(cls, model: SharedModel, avoid: Optional[str] = None, call_deadline: Optional[float] = None,
-             cancel: Optional["_Cancel"] = None) -> "_Handles":
+             cancel: Optional["_Cancel"] = None, timeout: Optional[float] = None) -> "_Handles":
         """Attach ``model`` to the runtime named ``model.runtime`` (not to namespace ``avoid``: the one
         that went away), waiting for it to come up until the connect timeout ends, or the
-        call's (``call_deadline``), whichever ends first, or the handle is closed, or the call's
-        forward_async task cancelled (``cancel``)."""
+        call's (``call_deadline``; its ``timeout`` for the message), whichever ends first, or the
+        handle is closed, or the call's forward_async task cancelled (``cancel``)."""
         now = time.monotonic()
         deadline, call_timeout = now + model.connect_timeout, None
         if call_deadline is not None and call_deadline < deadline:
-            deadline, call_timeout = call_deadline, call_deadline - now
+            deadline, call_timeout = call_deadline, call_deadline - now if timeout is None else timeout
         pause, told = 0.01, False
         while True:
             reg, starting = naming.resolve(model.runtime), False   # (as last seen)

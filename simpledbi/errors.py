@@ -77,7 +77,9 @@ class Overloaded(SimpleDBIError, TimeoutError):
 
     @property
     def retry_after(self) -> float:
-        """Seconds a caller could reasonably wait before trying again: at least 1 ms, at most a
-        minute (an unbounded expected wait -- higher priorities take all of the capacity -- still
-        gives a number an HTTP ``Retry-After`` can carry)."""
-        return min(max(self.expected_wait - (self.timeout or 0.0), 0.001), 60.0)
+        """Seconds a caller could reasonably wait before trying again: for a deadline, until the
+        queue ahead would fit in its timeout; for a full queue, its expected wait. At least 1 ms, at
+        most a minute (an unbounded expected wait -- higher priorities take all of the capacity --
+        still gives a number an HTTP ``Retry-After`` can carry)."""
+        late = (self.timeout or 0.0) if self.reason == "deadline" else 0.0
+        return min(max(self.expected_wait - late, 0.001), 60.0)

@@ -46,6 +46,8 @@ _CODE_DTYPE = tuple(np.dtype(n) for n in DTYPES)
 
 
 def dtype_code(dtype) -> int:
+    if str(dtype).startswith("torch."):   # torch.float16 and the like: the numpy dtype of that name
+        dtype = str(dtype)[6:]
     try:
         return _DTYPE_CODE[np.dtype(dtype)]
     except (KeyError, TypeError):

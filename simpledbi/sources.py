@@ -225,6 +225,10 @@ def resolve(where: str) -> Tuple[str, Any]:
     ValueError (a factory that does not import, or could be both), saying what was tried."""
     is_file = os.path.isfile(where)
     if not is_import_path(where):
+        if is_file and where.endswith(".py"):   # torch.load would call it a corrupted checkpoint
+            raise ValueError(f"{where!r} is Python source, not a model file (TorchScript or a saved "
+                             f"module): name a factory in it as MODULE:FUNCTION, e.g. "
+                             f"'{os.path.splitext(os.path.basename(where))[0]}:build'")
         if is_file:
             return "path", where
         module, sep, attr = where.rpartition(":")
@@ -232,7 +236,11 @@ def resolve(where: str) -> Tuple[str, Any]:
             raise FileNotFoundError(
                 f"{where!r} is neither a model file (no file at {os.path.abspath(where)!r}) nor a "
                 f"factory MODULE:FUNCTION ({module!r} is not a module name){_module_hint(module, attr)}")
-        raise FileNotFoundError(f"no model file at {where!r}")
+        dotted = where.rpartition(".")   # mymodels.mlp: a factory meant as MODULE:FUNCTION?
+        hint = (f" (for the factory {dotted[2]!r} of module {dotted[0]!r}, write "
+                f"'{dotted[0]}:{dotted[2]}')" if dotted[0] and dotted[2].isidentifier()
+                and os.path.splitext(where)[1] not in (".pt", ".pth", ".ts", ".jit") else "")
+        raise FileNotFoundError(f"no model file at {where!r}{hint}")
     module, _, attr = where.partition(":")
     if is_file:
         _cwd_on_path()

@@ -84,6 +84,9 @@ def test_namedtuple_outputs_come_back_as_namedtuples(start_runtime):
             np.testing.assert_array_equal(out.logits, (ids * mask).astype(np.float32))
             np.testing.assert_array_equal(out.pooled, ids.sum(1, keepdims=True))
         assert type(m(ids, mask)) is type(out)  # the type is made once and cached
+    import torch   # a torch dtype names the same dtype as numpy's ("expected one of float32, ..." before)
+    with SharedModel("nt", max_shape=[(3, 4), (3, 4)], dtype=torch.int64, namespace=rt.namespace) as m:
+        assert m.dtypes == [np.dtype(np.int64)] * 2 and type(m(ids, mask)).__name__ == "Pair"
 
 
 def test_torchscript_model_names_come_from_its_schema(start_runtime, tmp_path):

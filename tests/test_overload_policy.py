@@ -212,3 +212,11 @@ def test_a_request_set_aside_keeps_its_place():
     assert entry[3] is rs[0] and len(b) == 2
     b.restore(entry)
     assert len(b) == 3 and b.rows == 3 and b.take_all() == rs
+
+
+def test_retry_after_is_the_wait_past_the_timeout_for_a_deadline_and_the_whole_wait_for_a_full_queue():
+    from simpledbi import Overloaded
+    assert Overloaded("", "deadline", 0.25, timeout=0.1).retry_after == pytest.approx(0.15)
+    assert Overloaded("", "queue", 0.055, timeout=5.0).retry_after == pytest.approx(0.055)   # was 1 ms
+    assert Overloaded("", "queue", 0.0).retry_after == 0.001
+    assert Overloaded("", "deadline", float("inf"), timeout=1.0).retry_after == 60.0

@@ -462,6 +462,13 @@ def test_a_model_value_that_is_neither_a_file_nor_a_factory_or_could_be_both_say
                                          r"'tests.models': write './tests.models:affine' for the file"):
         load("mlp=tests.models:affine")
     assert load("mlp=./tests.models:affine").models[0].path == "./tests.models:affine"
+    # a Python file, or a factory written with dots: torch.load called the file a corrupted checkpoint
+    with pytest.raises(ValueError, match=r"'mymodels.py' is Python source, not a model file .*"
+                                         r"MODULE:FUNCTION, e.g. 'mymodels:build'"):
+        load("mlp=mymodels.py")
+    with pytest.raises(ValueError, match=r"no model file at 'mymodels.build' \(for the factory 'build' "
+                                         r"of module 'mymodels', write 'mymodels:build'\)"):
+        load("mlp=mymodels.build")
 
 
 # ---------------------------------------------------------------- looking inside
