@@ -4,12 +4,13 @@ from __future__ import annotations
 import asyncio
 import collections
 import os
+import queue
 import secrets
-import select
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -31,14 +32,27 @@ def _free_port() -> int:
 
 def _wait_lines(proc: subprocess.Popen, word: str, count: int = 1, timeout: float = 180) -> None:
     """Read ``proc``'s stderr until ``word`` appeared ``count`` times (a bound, not a pause: four
-    web workers starting beside another test suite on 2 cores once took over 90 s)."""
+    web workers starting beside another test suite on 2 cores once took over 90 s). A thread drains
+    the stream into a queue for the whole test: select() on a buffered text stream missed the
+    lines that came in one read with the one before (a worker's "startup complete" never seen)."""
+    lines = getattr(proc, "_lines", None)
+    if lines is None:
+        lines = proc._lines = queue.Queue()
+
+        def drain():
+            for line in proc.stderr:
+                lines.put(line)
+            lines.put(None)
+
+        threading.Thread(target=drain, daemon=True).start()
     seen, log = 0, []
     deadline = time.monotonic() + timeout
-    while seen < count and time.monotonic() < deadline:
-        if not select.select([proc.stderr], [], [], deadline - time.monotonic())[0]:
+    while seen < count:
+        try:
+            line = lines.get(timeout=max(deadline - time.monotonic(), 0.0))
+        except queue.Empty:
             break
-        line = proc.stderr.readline()
-        if not line:
+        if line is None:
             break
         log.append(line)
         seen += word in line
