@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing as mp
 import os
+import queue
 import secrets
 import signal
 import threading
@@ -125,3 +126,20 @@ def cpu_model(name: str, factory, **kw) -> ModelConfig:
     kw.setdefault("device", "cpu")
     kw.setdefault("num_threads", 1)
     return ModelConfig(name=name, factory=factory, **kw)
+
+
+def stderr_lines(proc) -> "queue.Queue":
+    """A process's stderr lines (None at its end), read by a thread of their own for the whole test:
+    select() on a buffered text stream misses the lines that came in one read with the one before,
+    and a pipe nobody reads fills and blocks the process's logging."""
+    q = getattr(proc, "_lines", None)
+    if q is None:
+        q = proc._lines = queue.Queue()
+
+        def read():
+            for line in proc.stderr:
+                q.put(line)
+            q.put(None)
+
+        threading.Thread(target=read, daemon=True).start()
+    return q

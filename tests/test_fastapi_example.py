@@ -10,7 +10,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 
 import numpy as np
@@ -19,6 +18,8 @@ import pytest
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
+
+from .conftest import stderr_lines  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKERS = 4
@@ -32,19 +33,8 @@ def _free_port() -> int:
 
 def _wait_lines(proc: subprocess.Popen, word: str, count: int = 1, timeout: float = 180) -> None:
     """Read ``proc``'s stderr until ``word`` appeared ``count`` times (a bound, not a pause: four
-    web workers starting beside another test suite on 2 cores once took over 90 s). A thread drains
-    the stream into a queue for the whole test: select() on a buffered text stream missed the
-    lines that came in one read with the one before (a worker's "startup complete" never seen)."""
-    lines = getattr(proc, "_lines", None)
-    if lines is None:
-        lines = proc._lines = queue.Queue()
-
-        def drain():
-            for line in proc.stderr:
-                lines.put(line)
-            lines.put(None)
-
-        threading.Thread(target=drain, daemon=True).start()
+    web workers starting beside another test suite on 2 cores once took over 90 s)."""
+    lines = stderr_lines(proc)
     seen, log = 0, []
     deadline = time.monotonic() + timeout
     while seen < count:

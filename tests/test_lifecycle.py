@@ -27,6 +27,15 @@ def _start(mode: str) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
+def _await_children_starting(proc: subprocess.Popen, marks) -> None:
+    """Until the janitor and a model process of ``proc`` (an app run with APP_SLOW_START=marks) are
+    starting: each leaves a file in ``marks`` as it begins importing."""
+    deadline = time.monotonic() + 60
+    while len(os.listdir(marks)) < 2:
+        assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
+        threading.Event().wait(0.01)   # bounded wait on a file condition
+
+
 def _run(mode: str):
     proc = _start(mode)
     try:
@@ -129,10 +138,7 @@ def test_ctrl_c_while_children_start_is_reported_by_the_main_process_only(tmp_pa
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
                             env=dict(os.environ, APP_SLOW_START=str(tmp_path)))
     try:
-        deadline = time.monotonic() + 60
-        while len(os.listdir(tmp_path)) < 2:   # the janitor and a model process are starting
-            assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
-            threading.Event().wait(0.01)   # bounded wait on a file condition
+        _await_children_starting(proc, tmp_path)
         os.killpg(proc.pid, signal.SIGINT)   # what Ctrl-C in its terminal does
         out, err = proc.communicate(timeout=60)
     finally:
@@ -155,10 +161,7 @@ def test_sigterm_while_a_model_process_is_being_started_is_clean(tmp_path, how, 
                             text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             env=dict(os.environ, APP_SLOW_START=str(tmp_path)))
     try:
-        deadline = time.monotonic() + 60
-        while len(os.listdir(tmp_path)) < 2:   # the janitor and the model process are starting
-            assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
-            threading.Event().wait(0.01)   # bounded wait on a file condition
+        _await_children_starting(proc, tmp_path)
         proc.send_signal(signal.SIGTERM)
         out, err = proc.communicate(timeout=60)   # until the janitor, last, closed stderr too
     finally:

@@ -25,7 +25,7 @@ from simpledbi.layout import BROKEN
 from simpledbi.runtime import Runtime
 
 from . import models
-from .conftest import FAST, cpu_model
+from .conftest import FAST, cpu_model, stderr_lines
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -41,26 +41,10 @@ def _serve(name: str, *extra: str, env=None) -> subprocess.Popen:
                             stderr=subprocess.PIPE, env={**os.environ, **(env or {})})
 
 
-def _lines(proc: subprocess.Popen) -> "queue.Queue":
-    """The serve process's log (stderr) lines, read by a thread of their own (select() on a
-    buffered text stream misses a line that arrived together with the one before it)."""
-    q = getattr(proc, "_lines", None)
-    if q is None:
-        q = proc._lines = queue.Queue()
-
-        def read():
-            for line in proc.stderr:
-                q.put(line)
-            q.put(None)
-
-        threading.Thread(target=read, daemon=True).start()
-    return q
-
-
 def _wait_for(proc: subprocess.Popen, word: str, timeout: float = 60) -> str:
     """Read the serve process's log (stderr) until a line containing ``word``."""
     seen = []
-    q = _lines(proc)
+    q = stderr_lines(proc)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
@@ -365,7 +349,7 @@ def test_serve_drains_accepted_requests_at_sigterm_and_cleans_up(gate):
         client.close()
         assert _gone(reg)
         rest = []
-        q = _lines(proc)
+        q = stderr_lines(proc)
         while (line := q.get(timeout=60)) is not None:
             rest.append(line)
         assert "Traceback" not in "".join(rest)
