@@ -18,7 +18,8 @@ from simpledbi.runtime import Runtime
 
 from . import models
 from .conftest import FAST, cpu_model
-from .test_serve import ROOT, _lines, _serve, _stop, _wait_for
+from .conftest import stderr_lines
+from .test_serve import ROOT, _serve, _stop, _wait_for
 
 
 def _scripted(tmp_path) -> str:
@@ -214,7 +215,7 @@ def test_a_failed_reload_command_is_logged_by_the_serve_process(tmp_path):
         assert out.returncode == 1 and "the running version keeps serving" in out.stderr, out
         proc.terminate()
         assert proc.wait(60) == 0
-        q, rest = _lines(proc), []
+        q, rest = stderr_lines(proc), []
         while (line := q.get(timeout=60)) is not None:
             rest.append(line)
         log = "".join(rest)
