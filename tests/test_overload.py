@@ -252,8 +252,10 @@ def test_a_client_with_many_threads_does_not_crowd_out_the_others(start_runtime)
         p.join(60)
         assert p.exitcode == 0
     assert errors == []
-    # 40 calls each: arrival order would let the flood finish ~16 x 40 = 640 meanwhile
-    assert during < 4 * 40, f"the 16-thread client got {during} answers while each other got 40"
+    # 40 calls each: arrival order would let the flood finish ~16 x 40 = 640 meanwhile; fair turns
+    # give it about 40 (once 160, with two other test runs loading this 2-core machine: a one-thread
+    # client's turnaround then outlasts the turn held for it), so 6 x 40 leaves room for load alone
+    assert during < 6 * 40, f"the 16-thread client got {during} answers while each other got 40"
 
 
 
