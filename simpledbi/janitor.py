@@ -13,7 +13,7 @@ from multiprocessing.connection import wait
 
 from .interrupts import child_signals
 from .layout import STOPPING, ControlBlock
-from .mps import PrivateDaemon, pidfds, wait_exit
+from .mps import KILL_WAIT, PrivateDaemon, pidfds, signal_all, wait_exit
 from .naming import unregister
 from .shm import sweep_namespace
 
@@ -42,18 +42,20 @@ def janitor_main(namespace: str, conn, grace: float, main_pid: int, forked_end=N
     orphaned = _follow(conn, plan, main, gone)
     for fd in main:
         os.close(fd)
-    workers, models = plan.workers, plan.models
     if orphaned:
         for path in plan.registrations:
             unregister(path, namespace)
         for ctl in plan.ctls:   # attached clients see it at once, and named ones re-attach
             ctl.set_state(STOPPING)
-        for pid in workers:
-            _signal(pid, signal.SIGTERM)
-        _wait_all(models | workers, grace)
-        for pid in models | workers:
-            _signal(pid, signal.SIGKILL)
-        _wait_all(models | workers, 5.0)
+        pinned = pidfds(plan.models | plan.workers)   # pinned before any signal: never a pid reused since
+        try:
+            signal_all([fd for pid, fd in pinned.items() if pid in plan.workers], signal.SIGTERM)
+            left = wait_exit(pinned, grace)
+            signal_all(left.values(), signal.SIGKILL)
+            wait_exit(left, KILL_WAIT)
+        finally:
+            for fd in pinned.values():
+                os.close(fd)
         for daemon in plan.daemons:
             daemon.stop(grace)
     for ctl in plan.ctls:
@@ -101,17 +103,3 @@ def _follow(conn, plan: _Plan, main_fds, gone: bool) -> bool:
             return True
         if gone or conn not in ready:    # only the main process's pidfd: it exited
             return True
-
-
-def _signal(pid: int, sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.kill(pid, sig)
-
-
-def _wait_all(pids, timeout: float) -> None:
-    fds = pidfds(pids)
-    try:
-        wait_exit(fds, timeout)
-    finally:
-        for fd in fds.values():
-            os.close(fd)

@@ -44,9 +44,9 @@ CONTROL = "nvidia-cuda-mps-control"
 PIPE_VAR, LOG_VAR = "CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY"
 SYSTEM_PIPE_DIR = "/tmp/nvidia-mps"   # where clients look when CUDA_MPS_PIPE_DIRECTORY is unset
 ANSWER_TIMEOUT = 5.0                  # seconds a fresh daemon has to answer get_server_list
-#: After SIGKILL, how long to wait for the daemon's processes to go: the kernel reaps one in
-#: milliseconds unless it is in an uninterruptible GPU call; past this the runtime stops anyway.
-_KILL_WAIT = 5.0
+#: After SIGKILL, how long to wait for a process (the daemon's, or one the janitor stops) to go: the
+#: kernel reaps one in milliseconds unless it is in an uninterruptible GPU call; past this we go on.
+KILL_WAIT = 5.0
 
 
 class MpsUnavailable(Exception):
@@ -194,10 +194,8 @@ class PrivateDaemon:
             if left:
                 logger.warning("CUDA MPS daemon in %s did not quit within %g s; killing pids %s",
                                self.directory, timeout, sorted(left))
-                for fd in left.values():
-                    with contextlib.suppress(ProcessLookupError):
-                        signal.pidfd_send_signal(fd, signal.SIGKILL)
-                wait_exit(left, _KILL_WAIT)
+                signal_all(left.values(), signal.SIGKILL)
+                wait_exit(left, KILL_WAIT)
         except Exception:  # noqa: BLE001 - cleanup goes on; say what failed
             logger.exception("stopping the CUDA MPS daemon in %s failed", self.directory)
         finally:
@@ -251,6 +249,13 @@ def pidfds(pids, keep: Optional[Callable[[int], bool]] = None) -> Dict[int, int]
         else:
             os.close(fd)
     return pinned
+
+
+def signal_all(fds, sig: int) -> None:
+    """Send ``sig`` through each pidfd (a process gone or not ours meanwhile is skipped)."""
+    for fd in fds:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            signal.pidfd_send_signal(fd, sig)
 
 
 def wait_exit(pinned: Dict[int, int], timeout: float) -> Dict[int, int]:
