@@ -65,6 +65,9 @@ ENV_DIR = "SIMPLEDBI_DIR"
 
 _MISSING = "does not exist"
 _warned: set = set()
+#: Seconds a registration that does not parse counts as being written (a write takes microseconds;
+#: older, its runtime died writing it, and it is replaced).
+_WRITING = 2.0
 _OPEN_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
 
 
@@ -291,15 +294,15 @@ def register(name: str, namespace: str, models: Sequence[str]) -> str:
                          0o600)
         except FileExistsError:
             try:
-                owner = os.stat(path, follow_symlinks=False).st_uid
+                st = os.stat(path, follow_symlinks=False)
             except FileNotFoundError:
                 continue
-            if owner != os.getuid():
+            if st.st_uid != os.getuid():
                 raise PermissionError(errno.EACCES, f"the runtime name {name!r} is taken by "
-                                      f"another user (uid {owner}, {path})")
+                                      f"another user (uid {st.st_uid}, {path})")
             old = _read(name, here)
             refuse_if_live(old, name)
-            if old is None and _young(path):
+            if old is None and time.time() - st.st_mtime < _WRITING:
                 time.sleep(0.05)  # another runtime is writing it right now
                 continue
             with contextlib.suppress(FileNotFoundError):
@@ -366,10 +369,3 @@ def _all() -> List[tuple]:
             if e.startswith(REG_PREFIX) and NAME_RE.match(name) and (reg := _read(name, d)) is not None:
                 out.append((d, reg))
     return out
-
-
-def _young(path: str) -> bool:
-    try:
-        return time.time() - os.stat(path, follow_symlinks=False).st_mtime < 2.0
-    except OSError:
-        return False
