@@ -2,6 +2,7 @@
 saying what was expected and what came), so a mistake surfaces in the parent before any process starts."""
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from dataclasses import dataclass
@@ -153,12 +154,10 @@ class ModelConfig:
                 raise ValueError("input_dtypes: expected one dtype per entry of input_shapes, got "
                                  f"{self.input_dtypes!r}")
             for d in self.input_dtypes:
-                try:
-                    ok = np.dtype(d).name in DTYPES
-                except TypeError:
-                    ok = False
-                if not ok:
-                    raise ValueError(f"input_dtypes: expected numpy dtypes of {', '.join(DTYPES)}, got {d!r}")
+                with contextlib.suppress(TypeError):   # not a dtype at all
+                    if np.dtype(d).name in DTYPES:
+                        continue
+                raise ValueError(f"input_dtypes: expected numpy dtypes of {', '.join(DTYPES)}, got {d!r}")
             object.__setattr__(self, "input_dtypes", tuple(np.dtype(d).name for d in self.input_dtypes))
         if self.input_names is not None:
             if not isinstance(self.input_names, (list, tuple)):
@@ -181,16 +180,14 @@ class ModelConfig:
         if isinstance(self.cuda_graphs, str) and self.cuda_graphs != "auto":
             raise ValueError(f"cuda_graphs: expected 'auto', True, False or batch sizes, got "
                              f"{self.cuda_graphs!r}")
-        if self.cuda_graphs is not False and self.cuda_graphs != "auto":
-            if self.cuda_graphs is True:
-                sizes = set(self._default_graph_sizes())
-            else:
-                try:
-                    sizes = {int(n) for n in self.cuda_graphs}
-                except TypeError:
-                    raise TypeError(f"cuda_graphs: expected True or a list of batch sizes, got "
-                                    f"{self.cuda_graphs!r}") from None
-                sizes.add(self.max_batch_size)
+        if self.cuda_graphs is True:
+            object.__setattr__(self, "cuda_graphs", self._default_graph_sizes())
+        elif self.cuda_graphs is not False and self.cuda_graphs != "auto":
+            try:
+                sizes = {int(n) for n in self.cuda_graphs} | {self.max_batch_size}
+            except TypeError:
+                raise TypeError(f"cuda_graphs: expected True or a list of batch sizes, got "
+                                f"{self.cuda_graphs!r}") from None
             sizes = tuple(sorted(n for n in sizes if 1 <= n <= self.max_batch_size))
             object.__setattr__(self, "cuda_graphs", sizes)
         _check_range("max_clients", self.max_clients, int, "int", lambda v: 1 <= v <= 65536, "1..65536")
