@@ -235,14 +235,10 @@ def _serve(args: argparse.Namespace) -> int:
 def _reload(args: argparse.Namespace) -> int:
     from . import control
     from .status import inspect
-    path = args.path
-    if path is not None:
-        if os.path.isfile(path):
-            sources.resolve(path)          # a Python file is refused here, saying what to write
-            path = os.path.abspath(path)   # the serve process has a working directory of its own
-        elif not sources.is_import_path(path):
-            sources.resolve(path)          # neither: raises, saying what was tried
-        # else MODULE:FACTORY, imported by the serve process (whose sys.path it must be on)
+    path = args.path   # MODULE:FACTORY is imported by the serve process (on its sys.path)
+    if path is not None and (os.path.isfile(path) or not sources.is_import_path(path)):
+        sources.resolve(path)          # raises for a Python file or no file, saying what to write
+        path = os.path.abspath(path)   # a file: the serve process has a working directory of its own
     info = inspect(args.runtime)
     reply = control.send(info.namespace, {"op": "reload", "model": args.model, "path": path,
                                           "timeout": args.timeout})

@@ -124,8 +124,7 @@ def inspect(runtime: Optional[str] = None, *, namespace: Optional[str] = None) -
         reg = naming.resolve(runtime)
         if reg is None:
             raise LookupError(f"no simpledbi runtime named {runtime!r} is running")
-        namespace, pid = reg.namespace, reg.pid
-        model_names = list(reg.models)
+        namespace, pid, model_names = reg.namespace, reg.pid, list(reg.models)
     else:
         try:
             entries = os.listdir(os.path.join(SHM_DIR, namespace))
