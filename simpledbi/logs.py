@@ -82,9 +82,7 @@ class LogRelay:
             while True:
                 with self._lock:
                     conns = list(self._conns)
-                if self._stop and not conns:
-                    break
-                for obj in wait(conns + [self._wake_r], timeout=None if not self._stop else 0.5):
+                for obj in wait(conns + [self._wake_r], timeout=0.5 if self._stop else None):
                     if obj == self._wake_r:
                         os.read(self._wake_r, 64)
                         continue

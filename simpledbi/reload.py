@@ -99,17 +99,13 @@ class Reloads:
             logger.info("model %r reloaded%s: %d new process(es) serve; the old ones finish what "
                         "they took", model, f" from {path}" if path else "", n)
             deadline = time.monotonic() + timeout
-            for m in old:
-                while not self._stop.is_set() and not _exited(m) and time.monotonic() < deadline:
-                    try:
+            for m in old:   # ValueError: it exited, and the supervisor reaped and closed it meanwhile
+                with contextlib.suppress(ValueError):
+                    while not self._stop.is_set() and not _exited(m) and time.monotonic() < deadline:
                         m.proc.join(min(0.5, max(0.0, deadline - time.monotonic())))
-                    except ValueError:  # reaped and closed by the supervisor meanwhile
-                        break
-            for m in old:
-                if not self._stop.is_set() and not _exited(m):
-                    logger.warning("model %r: old process %d did not finish within %.0f s; "
-                                   "terminating it", model, m.instance, timeout)
-                    with contextlib.suppress(ValueError):   # it exited, and the supervisor closed it
+                    if not self._stop.is_set() and not _exited(m):
+                        logger.warning("model %r: old process %d did not finish within %.0f s; "
+                                       "terminating it", model, m.instance, timeout)
                         m.proc.terminate()
                         m.proc.join(self.options.join_timeout)
             return cfg

@@ -137,9 +137,9 @@ class Runtime(Supervision, Reloads, Workers):
                     self._spawn_model(cfg, i)
             self._await_models()
             for cfg in self.models:  # what clients may rely on, published before RUNNING
-                self.ctls[cfg.name].write_spec(*self._input_names.get(cfg.name, ((), ())),
-                                               cfg.input_shapes, cfg.input_dtypes)
-            for ctl in self.ctls.values():
+                ctl = self.ctls[cfg.name]
+                ctl.write_spec(*self._input_names.get(cfg.name, ((), ())), cfg.input_shapes,
+                               cfg.input_dtypes)
                 ctl.set_state(RUNNING)
             self._wake_r, self._wake_w = os.pipe()
             self._supervisor = threading.Thread(target=self._supervise_models,
@@ -342,8 +342,7 @@ class Runtime(Supervision, Reloads, Workers):
                 ctl.set_state(STOPPING)
             self._wake_model_processes(name, len(self.model_procs) + 1)
         for proc in self.worker_procs.values():
-            if proc.is_alive():
-                proc.terminate()
+            proc.terminate()   # (one that exited is left alone)
         for proc in self.worker_procs.values():
             _join_or_kill(proc, self.options.join_timeout)
             proc.close()
@@ -405,7 +404,6 @@ def Run(target: Optional[Callable] = None, worker_num: int = 1, args: Sequence =
     if kwargs is not None and not isinstance(kwargs, dict):
         raise TypeError(f"kwargs: expected a dict, got {type(kwargs).__name__}")
     if worker_num:
-        sources.forget_unreadable_main_file(start_method)   # NOTE [a __main__ that is no file]
         target = sources.ship("Run: target", target, start_method, "worker processes")
     runtime = Runtime(models, options, start_method, name=name)
     previous = None
