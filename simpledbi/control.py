@@ -25,7 +25,7 @@ def socket_path(namespace: str) -> str:
 
 
 class ControlServer:
-    """Accepts commands for ``runtime`` on a thread of its own, one connection at a time."""
+    """Accepts commands for ``runtime`` on threads of its own (one per connection)."""
 
     def __init__(self, runtime):
         self.runtime = runtime

@@ -230,7 +230,7 @@ class Runtime(Supervision, Reloads, Workers):
                     m = sentinels.pop(obj)
                     died = m.conn in waiting and not m.conn.poll()
                 if died:
-                    m.proc.join(5)
+                    m.proc.join(5)   # its exit code, for the message: it is exiting
                     raise ModelProcessDied(m.describe() + " while loading" + _guard_hint(m),
                                            m.proc.exitcode)
 
@@ -361,7 +361,7 @@ class Runtime(Supervision, Reloads, Workers):
                 logger.warning("model %r process %d did not stop in time; terminating",
                                m.cfg.name, m.instance)
                 m.proc.terminate()
-                _join_or_kill(m.proc, 2)
+                _join_or_kill(m.proc, 2)   # SIGTERM ends it at once unless it hangs
             m.conn.close()   # idempotent
             m.proc.close()
 

@@ -101,7 +101,7 @@ class Supervision:
         if m.exit_handled:
             return
         m.exit_handled = True
-        m.proc.join(1)
+        m.proc.join(1)   # reaps it: it has exited
         name, ctl = m.cfg.name, self.ctls[m.cfg.name]
         ctl.hdr["deaths"] += 1   # before its callers are woken: a request taken and not yet
         # recorded may now be reported lost (client._check_alive)
