@@ -290,8 +290,7 @@ def register(name: str, namespace: str, models: Sequence[str]) -> str:
                        "started": time.time()}).encode()
     for _ in range(8):
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW,
-                         0o600)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
         except FileExistsError:
             try:
                 st = os.stat(path, follow_symlinks=False)

@@ -13,10 +13,8 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 
 from . import naming
-from .layout import (
-    H_COMPUTE, H_LATENCY, H_QUEUE, H_SUM, INST_RETIRING, INST_STATE_NAMES, LAT_BOUNDS,
-    STATE_NAMES, ControlBlock,
-)
+from .layout import (H_COMPUTE, H_LATENCY, H_QUEUE, H_SUM, INST_RETIRING, INST_STATE_NAMES, LAT_BOUNDS,
+                     STATE_NAMES, ControlBlock)
 from .shm import SHM_DIR, pid_alive
 from .stats import STAGES, summarize
 
@@ -218,8 +216,7 @@ def format_status(info: RuntimeInfo) -> str:
                 f"{k} {v * 1e3:.2f}" for k, v in m.stage_means.items()))
         if m.batch_sizes:
             sizes = sorted(m.batch_sizes.items(), key=lambda kv: kv[0] or 1 << 30)
-            lines.append("  batch sizes: " + "  ".join(
-                f"{'>128' if k == 0 else k}:{v}" for k, v in sizes))
+            lines.append("  batch sizes: " + "  ".join(f"{'>128' if k == 0 else k}:{v}" for k, v in sizes))
         table = [("inst", "pid", "device", "state", "restarts", "requests", "batches", "graphs")] + [
             (i.index, i.pid, i.device, i.state if i.alive or i.state != "ready" else "dead", i.restarts,
              i.requests, i.batches, i.cuda_graphs) for i in m.instances]
