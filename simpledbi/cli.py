@@ -157,10 +157,11 @@ def load_serve_config(args: argparse.Namespace) -> ServeConfig:
     port = args.metrics_port if args.metrics_port is not None else doc.get("metrics_port")
     if port is not None and (type(port) is not int or not 0 <= port <= 65535):   # (before any model loads)
         raise ValueError(f"metrics_port: expected a port number 0-65535, got {port!r}")
+    drain = args.drain_timeout if args.drain_timeout is not None else doc.get("drain_timeout", 30.0)
+    if isinstance(drain, bool) or not isinstance(drain, (int, float)) or not 0 <= drain < float("inf"):
+        raise ValueError(f"drain_timeout: expected seconds >= 0, got {drain!r}")
     return ServeConfig(name, models, runtime_options, port,
-                       args.metrics_addr or doc.get("metrics_addr", "0.0.0.0"),
-                       float(args.drain_timeout if args.drain_timeout is not None
-                             else doc.get("drain_timeout", 30.0)))
+                       args.metrics_addr or doc.get("metrics_addr", "0.0.0.0"), float(drain))
 
 
 def _model_config(entry: Dict[str, Any]) -> ModelConfig:   # entry: a fresh dict, changed here

@@ -410,6 +410,13 @@ def test_serve_config_from_toml_and_flags(tmp_path):
     cfg.write_text('name = "x"\nmetrics_port = "9100"\n[[models]]\nname = "a"\nfactory = "tests.models:affine"\n')
     with pytest.raises(ValueError, match=r"metrics_port: expected a port number 0-65535, got '9100'"):
         load_serve_config(_parser().parse_args(["serve", "--config", str(cfg)]))
+    for bad in ('"abc"', "-1", "nan"):   # (a negative one skipped the drain; a string said "could not convert")
+        cfg.write_text(f'name = "x"\ndrain_timeout = {bad}\n[[models]]\nname = "a"\nfactory = "tests.models:affine"\n')
+        with pytest.raises(ValueError, match=r"drain_timeout: expected seconds >= 0, got "):
+            load_serve_config(_parser().parse_args(["serve", "--config", str(cfg)]))
+    with pytest.raises(ValueError, match=r"drain_timeout: expected seconds >= 0, got -2.0"):
+        load_serve_config(_parser().parse_args(["serve", "--name", "x", "--model", "a=tests.models:affine",
+                                                "--drain-timeout", "-2"]))
     with pytest.raises(ValueError, match="a runtime name is needed"):
         load_serve_config(_parser().parse_args(["serve", "--model", "a=m.pt"]))
     with pytest.raises(ValueError, match="model 'a': no model file at 'missing.pt'"):
