@@ -91,7 +91,7 @@ def model_process_main(spec: ModelProcessSpec, conn, sock, ctl_fd) -> None:
     the model's request socket, ``ctl_fd`` its control block (shm.InheritedFd)."""
     os.environ.update(spec.env)  # first: the CUDA driver reads CUDA_MPS_* once, when it initialises
     install_child_handler(spec.log_conn, f"<{spec.config.name}|{spec.instance}>", spec.log_level)
-    child_signals()  # the parent decides when to stop (NOTE [Ctrl-C and children])
+    child_signals(ignore_term=True)  # the parent decides when to stop (NOTE [Ctrl-C and children])
     faulthandler.enable()
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>` dumps stacks
     _raise_fd_limit()

@@ -105,8 +105,8 @@ class Reloads:
                         m.proc.join(min(0.5, max(0.0, deadline - time.monotonic())))
                     if not self._stop.is_set() and not _exited(m):
                         logger.warning("model %r: old process %d did not finish within %.0f s; "
-                                       "terminating it", model, m.instance, timeout)
-                        m.proc.terminate()
+                                       "killing it", model, m.instance, timeout)
+                        m.proc.kill()   # (it ignores SIGTERM: interrupts.child_signals)
                         m.proc.join(self.options.join_timeout)
             return cfg
 

@@ -352,16 +352,15 @@ class Runtime(Supervision, Reloads, Workers):
             # Still loading (the user's factory, a warm-up): it holds no request and would see
             # STOPPING only once loaded -- a Ctrl-C during a long load waited out join_timeout.
             if self.ctls[m.cfg.name].all_instances[m.row]["state"] in (INST_LOADING, INST_RESTARTING):
-                m.proc.terminate()
+                m.proc.kill()   # (a model process ignores SIGTERM: interrupts.child_signals)
         deadline = time.monotonic() + self.options.join_timeout
         for m in procs:
             m.proc.join(max(0.0, deadline - time.monotonic()))
         for m in procs:
             if m.proc.is_alive():
-                logger.warning("model %r process %d did not stop in time; terminating",
+                logger.warning("model %r process %d did not stop in time; killing it",
                                m.cfg.name, m.instance)
-                m.proc.terminate()
-                _join_or_kill(m.proc, 2)   # SIGTERM ends it at once unless it hangs
+                _join_or_kill(m.proc, 0)
             m.conn.close()   # idempotent
             m.proc.close()
 

@@ -34,11 +34,12 @@ def _name() -> str:
     return f"t{os.getpid()}-{secrets.token_hex(3)}"
 
 
-def _serve(name: str, *extra: str, env=None) -> subprocess.Popen:
+def _serve(name: str, *extra: str, env=None, group: bool = False) -> subprocess.Popen:
+    """``group``: in a process group of its own, so a test may signal all of it."""
     cmd = [sys.executable, "-m", "simpledbi", "serve", "--name", name, "--device", "cpu",
            "--model-num", "1", *extra]
-    return subprocess.Popen(cmd, cwd=ROOT, text=True, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, env={**os.environ, **(env or {})})
+    return subprocess.Popen(cmd, cwd=ROOT, text=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            env={**os.environ, **(env or {})}, start_new_session=group)
 
 
 def _wait_for(proc: subprocess.Popen, word: str, timeout: float = 60) -> str:
@@ -323,10 +324,13 @@ def _wait_until(cond, timeout: float = 30.0) -> None:
 
 # ---------------------------------------------------------------- simpledbi serve
 @pytest.mark.timeout(180)
-def test_serve_drains_accepted_requests_at_sigterm_and_cleans_up(gate):
+@pytest.mark.parametrize("to_group", [False, True])
+def test_serve_drains_accepted_requests_at_sigterm_and_cleans_up(gate, to_group):
+    # to_group: what systemd's default KillMode, `timeout` and `kill -- -PGID` do; the model
+    # processes got the SIGTERM too, died, and every accepted request failed with ModelProcessDied
     name = _name()
     proc = _serve(name, "--model", "g=tests.models:gated_from_env", "--max-batch-size", "4",
-                  env={"SDBI_TEST_GATE": gate.name})
+                  env={"SDBI_TEST_GATE": gate.name}, group=to_group)
     try:
         line = _wait_for(proc, "ready")
         assert f"SharedModel('g', runtime='{name}')" in line
@@ -337,7 +341,10 @@ def test_serve_drains_accepted_requests_at_sigterm_and_cleans_up(gate):
         t = threading.Thread(target=lambda: held.setdefault("y", client.forward(x, timeout=60)))
         t.start()
         gate.wait_entered()          # the request is inside the forward pass
-        proc.send_signal(signal.SIGTERM)
+        if to_group:
+            os.killpg(proc.pid, signal.SIGTERM)
+        else:
+            proc.send_signal(signal.SIGTERM)
         _wait_for(proc, "draining: new requests are refused; finishing 1 accepted")
         assert naming.read(name) is None  # no new client finds a runtime that is going
         with pytest.raises(RuntimeStopped):
