@@ -53,7 +53,7 @@ class Answers:
                     peer = r.peer
                     try:
                         peer.answer(r.seq, [(ptr + offset * step, n * step) for ptr, step, _, _ in per_out],
-                                    sig, r.out_offset, code, names, row, t_close, t_done, total)
+                                    sig, r.layout.out_offset, code, names, row, t_close, t_done, total)
                     except Exception as e:  # noqa: BLE001 - a slot it cannot write (the client's doing)
                         peer.respond(r.seq, ST_BAD_REQUEST, f"could not write the outputs into the "
                                      f"client's slot: {e}", row, t_close, total, wake=False)

@@ -31,7 +31,7 @@ class _Collecting:
     """The batch being collected: its kind, rows, row cap and oldest request."""
 
     key: Optional[int] = None
-    kind: tuple = ()      # its requests' Request.kind (exact; key is only its CRC)
+    kind: tuple = ()      # its requests' Layout.kind (exact; key is only its CRC)
     rows: int = 0
     limit: int = 0
     oldest: float = float("inf")
@@ -100,9 +100,9 @@ class Holding:
 
     def _take(self, batch: List[Request], c: _Collecting, req: Request) -> None:
         if c.key is None:
-            c.key, c.kind = req.key, req.kind
+            c.key, c.kind = req.layout.key, req.layout.kind
             if self.policy.latency_target is not None:  # else row_limit is max_batch
-                c.limit = batching.row_limit(self.policy, self.costs.fit(req.key),
+                c.limit = batching.row_limit(self.policy, self.costs.fit(c.key),
                                              self.arrivals.rate(time.monotonic()))
         batch.append(req)
         c.rows += req.rows
@@ -138,7 +138,7 @@ class Holding:
                 if not self._took(got):
                     continue
                 if backlog or c.holding or admission.priorities_seen or c.key is not None and (
-                        got.kind != c.kind or got.rows > c.limit - c.rows):
+                        got.layout.kind != c.kind or got.rows > c.limit - c.rows):
                     backlog.add(got)   # it takes its place in the backlog's order
                 else:
                     self._take(batch, c, got)   # nothing waits before it: the common case
@@ -190,7 +190,7 @@ class Holding:
             if hold and r.turn > 0:
                 c.holding = True
                 break
-            if c.key is not None and r.kind != c.kind:
+            if c.key is not None and r.layout.kind != c.kind:
                 aside.append(backlog.pop_entry())
                 continue
             if c.key is not None and r.rows > c.limit - c.rows:

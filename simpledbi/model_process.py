@@ -444,11 +444,10 @@ class ModelServer(Holding):
 
     # ------------------------------------------------------------ one batch
     def _gather(self, batch: List[Request]):
-        first = batch[0]
-        sources = [[(r.peer.base, r.offsets[k], r.nbytes[k], r.peer.registered) for r in batch]
+        first = batch[0].layout
+        sources = [[(r.peer.base, r.layout.offsets[k], r.nbytes[k], r.peer.registered) for r in batch]
                    for k in range(len(first.items))]
-        return self._Gather(sum(r.rows for r in batch), first.items, first.dtypes, sources,
-                            names=first.names)
+        return self._Gather(sum(r.rows for r in batch), first.items, first.dtypes, sources, first.names)
 
     def _stage(self, batch: List[Request]) -> _InFlight:
         flight = _InFlight(batch, time.monotonic())
@@ -513,7 +512,7 @@ class ModelServer(Holding):
         try:
             if error is None:  # what this batch cost, for the batching policy
                 tm = result.times
-                self.costs.observe(batch[0].key, total, tm.h2d + tm.forward + tm.d2h
+                self.costs.observe(batch[0].layout.key, total, tm.h2d + tm.forward + tm.d2h
                                    if self.engine.cuda else t_end - t_close)
             self.acct.record(batch, total, t_close, t_scatter, t_end, result)
             self.admission.rate.batch_done(total, t_close, t_end, total >= self.max_batch)  # full: backlogged

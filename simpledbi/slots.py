@@ -363,7 +363,6 @@ class Layout:
     items: Tuple[Tuple[int, ...], ...]
     dtypes: Tuple[np.dtype, ...]
     offsets: Tuple[int, ...]
-    per_row: Tuple[int, ...]          # bytes per row of each input
     end_per_row: Tuple[Tuple[int, int], ...]   # (offset, bytes per row): input k ends at off + rows * b
     names: Optional[Tuple[str, ...]]
     key: int
@@ -389,13 +388,6 @@ class Request:
     held: int = -1                                # its HELD row in the control block
 
     pid = property(attrgetter("peer.pid"))   # its client (the kernel's word): the unit of fair turns
-    items = property(attrgetter("layout.items"))
-    dtypes = property(attrgetter("layout.dtypes"))
-    offsets = property(attrgetter("layout.offsets"))
-    out_offset = property(attrgetter("layout.out_offset"))
-    key = property(attrgetter("layout.key"))
-    kind = property(attrgetter("layout.kind"))
-    names = property(attrgetter("layout.names"))
 
 
 class Peer:
@@ -602,7 +594,7 @@ def parse_layout(raw: bytes, limits: Limits) -> Layout:
         raise BadRequest(f"the request datagram has {len(raw) - pos} bytes too many")
     items, dtypes, offsets, per_row = zip(*inputs)   # tuples
     key = shape_key([dtype_code(d) for d in dtypes], items, flags)
-    return Layout(out_offset, items, dtypes, offsets, per_row, tuple(zip(offsets, per_row)), names, key,
+    return Layout(out_offset, items, dtypes, offsets, tuple(zip(offsets, per_row)), names, key,
                   (dtypes, items, flags))
 
 
