@@ -1,11 +1,9 @@
 """What runs in the caller: ``SharedModel``, a PyTorch-looking handle on a served model.
 
-A handle lends *slots* (NOTE [slot protocol] in slots.py) to calls: a call borrows an idle slot
-from the handle's pool (or makes a new one), writes its inputs there, sends one datagram to the
-model's socket, sleeps on the slot's ``done`` word, reads its outputs and gives the slot back.
+A call borrows a *slot* (NOTE [slot protocol] in slots.py) from its handle's pool, or makes one.
 Slots belong to the handle, not to threads, so a web server's thread pool that retires and
 creates threads never leaks them: a handle holds as many slots as it ever had calls in flight at
-once (plus those owed a late answer after a timeout, which are lent again only once it has arrived).
+once (plus those owed a late answer after a timeout, lent again once it has arrived).
 """
 from __future__ import annotations
 
@@ -34,8 +32,8 @@ from .config import MODEL_NAME_RE
 from .errors import (ModelError, ModelProcessDied, Overloaded, RuntimeStopped, RuntimeUnavailable,
                      SlotsExhausted)
 from .inputs import Inputs
-from .layout import (BROKEN, OUT_DICT, OUT_TENSOR, OUT_TUPLE, ST_BAD_REQUEST, ST_DIED, ST_EXPIRED, ST_FULL,
-                     ST_INTERNAL, ST_MODEL_ERROR, ST_OK, ST_OVERLOADED, ST_STOPPED, STARTING, STOPPING,
+from .layout import (BROKEN, MAX_PRIORITY, OUT_DICT, OUT_TENSOR, OUT_TUPLE, ST_BAD_REQUEST, ST_DIED, ST_EXPIRED,
+                     ST_FULL, ST_INTERNAL, ST_MODEL_ERROR, ST_OK, ST_OVERLOADED, ST_STOPPED, STARTING, STOPPING,
                      ControlBlock, decode_names, socket_path)
 from .overload import Refusal
 from .shm import SHM_DIR, pid_alive
@@ -372,11 +370,10 @@ class SharedModel(Inputs):
             block = True
 
     def _await(self, h: "_Handles", slot: ClientSlot, seq: int, deadline: Optional[float]):
-        poll = self.poll_interval
         while True:
-            wait = poll
+            wait = self.poll_interval
             if deadline is not None:
-                wait = min(poll, deadline - time.monotonic())
+                wait = min(wait, deadline - time.monotonic())
                 if wait <= 0:
                     if slot.answered(seq):
                         break   # it came in time; this thread only ran late
@@ -515,8 +512,8 @@ def _status_error(name: str, status: int, text: str, timeout: Optional[float] = 
 def _check_priority(priority) -> int:
     if not isinstance(priority, numbers.Integral) or isinstance(priority, (bool, np.bool_)):
         raise TypeError(f"priority: expected an int, got {type(priority).__name__} {priority!r}")
-    if not -_MAX_PRIORITY <= priority <= _MAX_PRIORITY:
-        raise ValueError(f"priority: expected -{_MAX_PRIORITY}..{_MAX_PRIORITY}, got {priority}")
+    if not -MAX_PRIORITY <= priority <= MAX_PRIORITY:
+        raise ValueError(f"priority: expected -{MAX_PRIORITY}..{MAX_PRIORITY}, got {priority}")
     return int(priority)
 
 
@@ -530,9 +527,6 @@ def _check_timeout(timeout) -> float:
         if seconds >= 0:   # (NaN fails this)
             return seconds
     raise ValueError(f"timeout: expected None or seconds >= 0, got {timeout!r}")
-
-
-_MAX_PRIORITY = 1000
 
 
 class _Cancel:

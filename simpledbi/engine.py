@@ -387,20 +387,18 @@ class Engine(GraphsAndSizes):
                 pos += n
 
     def warm_up(self, shapes: Sequence[Tuple[int, ...]], dtypes: Sequence[str], batch_sizes: Sequence[int],
-                names: Optional[Tuple[str, ...]] = None):
+                names: Optional[Tuple[str, ...]] = None) -> None:
         """Run the model on zero batches so lazy initialisation (cuDNN plans, allocator pools,
-        TorchScript profiling runs) is paid before the first request; returns the last result.
-        With ``names``, the inputs are passed by those names."""
-        result = None
+        TorchScript profiling runs) is paid before the first request. With ``names``, the inputs
+        are passed by those names."""
         self._sizes_run.setdefault(signature(shapes, dtypes, names), set()).update(batch_sizes)
         with torch.inference_mode():
             for n in batch_sizes:
                 for _ in range(3 if self.cuda else 1):
                     xs = [self._cast(torch.zeros((n, *s), dtype=_torch_dtype(d), device=self.device))
                           for s, d in zip(shapes, dtypes)]
-                    outs, structure = _as_list(self._forward(xs, names))
-                    result = BatchResult([_to_numpy(o) for o in outs], structure)
-        return result
+                    for o in _as_list(self._forward(xs, names))[0]:
+                        _to_numpy(o)   # as a batch's outputs are (one that cannot be answered fails here)
 
 
 class _BufferSet:

@@ -13,8 +13,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from .layout import (CLAIM_OFF, FWD_MAGIC, FWD_PREFIX, HELD, INSTANCE, MAX_DATAGRAM, PUB_SEQ_OFF, REQ_MAGIC,
-                     REQ_PREFIX, ST_BAD_REQUEST, ST_FULL, WAKE_MAGIC, ControlBlock, words)
+from .layout import (CLAIM_OFF, FWD_MAGIC, FWD_PREFIX, HELD, INSTANCE, MAX_DATAGRAM, MAX_PRIORITY, PUB_SEQ_OFF,
+                     REQ_MAGIC, REQ_PREFIX, ST_BAD_REQUEST, ST_FULL, WAKE_MAGIC, ControlBlock, words)
 from .shm import pid_alive
 from .slots import BadRequest, Layout, Limits, Peer, Request, check_size, parse_layout
 
@@ -27,7 +27,6 @@ _HELD_PID, _HELD_WORDS = HELD.fields["pid"][1] // 8, HELD.itemsize // 8
 _INST_PID, _INST_HELD, _INST_CLIENTS = (INSTANCE.fields[n][1] // 8 for n in ("pid", "held", "clients"))
 _INST_WORDS = INSTANCE.itemsize // 8
 WAKE = object()                   # what next() returns for the runtime's wake-up datagram
-_MAX_PRIORITY = 1000              # SharedModel's bound on priority (a scribbled one is clamped)
 #: Precise waits shorter than this use select(), whose timer is precise, not the socket's receive timeout,
 #: which the kernel rounds up to scheduler ticks (1-4 ms, and one more: measured 8 ms for any timeout under
 #: 4 ms on a 250 Hz kernel). Other waits keep the receive timeout: a receiver blocked in recvmsg is woken
@@ -180,8 +179,8 @@ class Intake:
             return None
         if not (now - self.limits.max_age <= t_pub <= now):   # NaN fails this too
             t_pub = now
-        if not -_MAX_PRIORITY <= priority <= _MAX_PRIORITY:
-            priority = _MAX_PRIORITY if priority > 0 else -_MAX_PRIORITY   # the client checks it
+        if not -MAX_PRIORITY <= priority <= MAX_PRIORITY:
+            priority = MAX_PRIORITY if priority > 0 else -MAX_PRIORITY   # scribbled: the client checks it
         if deadline != deadline:
             deadline = 0.0   # NaN: no deadline (the client sends monotonic seconds or 0)
         # My HELD row says whose request I hold (should I die, the supervisor answers its caller at

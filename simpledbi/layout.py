@@ -38,6 +38,7 @@ MAX_IO = 8          # inputs and outputs per request
 MAX_NAMES = 48      # input names a model declares: bits 0..47 of a request's ``flags``
 MAX_NDIM = 8        # dimensions of one item (an input or output row)
 MAX_DIM = 2**31     # largest single dimension accepted from a client
+MAX_PRIORITY = 1000  # a call's priority is -MAX_PRIORITY..MAX_PRIORITY (model processes clamp a scribbled one)
 
 DTYPES = ("float32", "float16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool",
           "complex64")
