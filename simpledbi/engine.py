@@ -260,10 +260,7 @@ class Engine(GraphsAndSizes):
             if view is None:
                 old = host[k] if k < len(host) else None
                 buf = self._host_buf(self._sets[0], k, nbytes)
-                if buf is not old:   # outgrown: views of the old buffer would keep it alive
-                    for stale in [v for v in views if v[0] == k]:
-                        del views[stale]
-                if len(views) > 256:
+                if buf is not old or len(views) > 256:   # outgrown: views of the old one would keep it alive
                     views.clear()
                 arr = buf[:nbytes].view(dt).reshape((g.rows, *item))
                 view = views[key] = (arr, arr.ctypes.data)

@@ -1,7 +1,6 @@
 """What a model process holds and has not answered, in order (the batch loop's side of NOTE [overload]):
-filling a batch from the socket and the backlog, handing back to an idle peer, holding room for clients
-just answered, and taking requests in while the device (or, for a CPU model, a helper thread) runs a
-batch. :class:`Holding` is a mixin of :class:`~simpledbi.model_process.ModelServer`, using its attributes."""
+filling a batch, handing back to an idle peer, holding room for clients just answered, and taking
+requests in while a batch runs. A mixin of :class:`~simpledbi.model_process.ModelServer`."""
 from __future__ import annotations
 
 import os
@@ -42,9 +41,9 @@ class _Collecting:
 
 class Holding:
     def _await_device(self, flight) -> None:
-        """With callers that set deadlines (or max_queue set): while the device finishes ``flight``, keep
-        taking requests off the socket, so that one refused is refused at once (NOTE [overload]), not after
-        this batch, as far ahead as Admission.takes_more says. Else the engine waits (synchronize)."""
+        """While the device finishes ``flight``, take requests off the socket (as far ahead as
+        Admission.takes_more says) when refusals are made early, so one is refused at once, not
+        after this batch (NOTE [overload]). Else the engine waits (synchronize)."""
         launched = flight.launched   # (None only with an error: _stage)
         if flight.error is not None or not launched.started or not self.admission.refuses_early:
             return
@@ -58,7 +57,7 @@ class Holding:
 
     def _compute_while_taking(self, launched) -> None:
         """_await_device for a CPU model past capacity: its forward pass runs on a helper thread
-        while this one takes requests (asleep in select() until one comes or the helper's byte)."""
+        while this one takes requests (in select() until one comes, or the helper's byte)."""
         from concurrent.futures import ThreadPoolExecutor, wait
         if self._helper is None:
             self._helper = ThreadPoolExecutor(1, thread_name_prefix="simpledbi-forward")
@@ -110,13 +109,12 @@ class Holding:
         c.oldest, c.newest = min(c.oldest, req.t_publish), max(c.newest, req.t_publish)
 
     def _fill(self, batch: List[Request], c: _Collecting) -> None:
-        """Add requests to ``batch``: first those I hold (in overload.Backlog's order), then what is queued
-        on the socket now. Once the batch is full, what is queued is still taken, up to one more batch (it
-        goes first next time; beyond that, as Admission.takes_more says), unless a peer is idle: the
-        socket's queue is short (net.unix.max_dgram_qlen, 10 by default), and each request taken from a
-        full one wakes a client blocked in send (at 128 clients, they spent 40% of their time there, and
-        the model processes a wake-up per request). Fair turns: second turns wait in the backlog while
-        clients just answered may still send (_expect_returns), then top up the batch (_top_up)."""
+        """Add requests to ``batch``: those I hold (in overload.Backlog's order), then what is queued on
+        the socket now. Once the batch is full, what is queued is still taken, up to one more batch
+        (beyond that, as Admission.takes_more says), unless a peer is idle: the socket's queue is short
+        (net.unix.max_dgram_qlen, 10 by default), and each request taken from a full one wakes a client
+        blocked in send (at 128 clients, they spent 40% of their time there, and the model processes
+        a wake-up per request)."""
         c.waiting = 0
         backlog, intake = self.backlog, self.intake
         if backlog.rows > c.limit and self._peer_free():
@@ -150,9 +148,8 @@ class Holding:
         self.admission.publish()
 
     def _hand_back(self, keep: int) -> None:
-        """A peer is idle while I hold more than my next batch (``keep`` rows): the rest goes
-        back to the model's socket, for it (Intake.hand_back). Taking every queued request to
-        see who waits (Admission.takes_more) must not leave the model's other processes without work."""
+        """A peer is idle while I hold more than my next batch (``keep`` rows): the rest goes back to
+        the model's socket, for it (Intake.hand_back): what I took must not leave it without work."""
         backlog, kept, rows = self.backlog, [], 0
         while backlog and rows < keep:
             kept.append(backlog.pop_entry())
@@ -169,7 +166,7 @@ class Holding:
 
     def _put_back(self, batch: List[Request], c: _Collecting, taken: List[Request]) -> None:
         """Requests taken into ``batch`` by arrival go back to the backlog, ahead of what came
-        after them (_fill: the first request of a higher priority arrived behind them)."""
+        after them (a higher priority arrived behind them)."""
         for r in reversed(taken):
             batch.remove(r)
             c.rows -= r.rows
@@ -181,7 +178,7 @@ class Holding:
 
     def _from_backlog(self, batch: List[Request], c: _Collecting) -> None:
         """Fill ``batch`` from the backlog in its order while it has room; requests of another kind keep
-        their places. Second turns stay back while clients just answered may still send (_expect_returns)."""
+        their places, and second turns while clients just answered may still send (_expect_returns)."""
         backlog = self.backlog
         hold = backlog.repeats > 0 and bool(self._returning) and time.monotonic() < self._hold_until
         aside = []
@@ -230,7 +227,7 @@ class Holding:
         return kept
 
     def _top_up(self, batch: List[Request], c: _Collecting) -> None:
-        """The batch closes: the second turns held back (_fill) fill what room is left."""
+        """The batch closes: the second turns held back fill what room is left."""
         c.holding = False
         self._returning = set()
         self._from_backlog(batch, c)

@@ -145,10 +145,8 @@ class Intake:
             if peer is None:
                 return None
         if refused > 0:   # calls its client refused itself since (NOTE [overload]): counted here
-            if refused & 0xFFFF:
-                self.count("shed_deadline", refused & 0xFFFF)
-            if refused >> 16:
-                self.count("shed_queue", refused >> 16)
+            self.count("shed_deadline", refused & 0xFFFF)
+            self.count("shed_queue", refused >> 16)
         if not peer.claim(seq, self.row, self.pid):
             self.count("withdrawn")   # taken back before I got to it (or a datagram sent again)
             return None
@@ -329,10 +327,8 @@ def answer_queued(sock: socket.socket, status: int, text: str, most: int = 10000
 def answer_held(ctl: ControlBlock, row: int, pid: int, status: int, text: str) -> int:
     """Answer the requests a dead model process (``pid``, control-block row ``row``) held and
     had not answered, from its HELD rows; returns how many."""
-    held = ctl.held[row].copy()
     n = 0
-    for fd_no, token, seq, client in zip(held["fd"].tolist(), held["token"].tolist(),
-                                         held["seq"].tolist(), held["pid"].tolist()):
+    for fd_no, token, seq, client in ctl.held[row].tolist():   # (a copy: HELD's fields, in order)
         if client <= 0:
             continue
         try:
