@@ -32,9 +32,9 @@ from .config import MODEL_NAME_RE
 from .errors import (ModelError, ModelProcessDied, Overloaded, RuntimeStopped, RuntimeUnavailable,
                      SlotsExhausted)
 from .inputs import Inputs
-from .layout import (BROKEN, MAX_PRIORITY, OUT_DICT, OUT_TENSOR, OUT_TUPLE, ST_BAD_REQUEST, ST_DIED, ST_EXPIRED,
-                     ST_FULL, ST_INTERNAL, ST_MODEL_ERROR, ST_OK, ST_OVERLOADED, ST_STOPPED, STARTING, STOPPING,
-                     ControlBlock, decode_names, socket_path)
+from .layout import (BROKEN, MAX_PRIORITY, OUT_DICT, OUT_TENSOR, OUT_TUPLE, ST_BAD_REQUEST, ST_DIED,
+                     ST_EXPIRED, ST_FULL, ST_INTERNAL, ST_MODEL_ERROR, ST_OK, ST_OVERLOADED, ST_STOPPED,
+                     STARTING, STOPPING, ControlBlock, decode_names, socket_path)
 from .overload import Refusal
 from .shm import SHM_DIR, pid_alive
 from .slots import ClientSlot, _dumpable
@@ -332,8 +332,9 @@ class SharedModel(Inputs):
             self._send(h, slot, deadline)
             return self._await(h, slot, seq, deadline)
         except BaseException:
-            # Whatever ended the wait (a typed error, KeyboardInterrupt, ...): a request still
-            # owed an answer keeps its slot stale, so the late answer can never reach a later call.
+            # Whatever ended the call (a timeout, a typed error, KeyboardInterrupt, ...): a request
+            # nobody took is taken back; one still owed an answer keeps its slot stale, so the late
+            # answer can never reach a later call.
             if not slot.stale_seq and not slot.answered(seq) and not slot.withdraw():
                 slot.abandon(seq)
             raise
@@ -347,14 +348,13 @@ class SharedModel(Inputs):
         while True:
             if slot.interrupted or slot.cancel is not None and slot.cancel.cancelled:
                 slot.unsent()   # closed or cancelled meanwhile: the request, never sent, is taken back
-                self._given_up(slot, slot.seq)
+                self._given_up(slot)
             try:
                 slot.send(slot._msg, block)
                 return
             except BlockingIOError:
                 pass
             except OSError as e:   # the socket is gone: the runtime stopped
-                slot.withdraw()
                 slot.unsent()
                 self._stopped(h, f"the runtime is gone ({e.strerror or e})")
             if block:
@@ -364,8 +364,7 @@ class SharedModel(Inputs):
                 wait = min(wait, deadline - time.monotonic())
                 if wait <= 0:
                     slot.unsent()
-                    self._on_timeout(slot, slot.seq, "the model's queue stayed full; the request was "
-                                                     "not sent")
+                    self._on_timeout(slot, "the model's queue stayed full; the request was not sent")
             h.set_send_timeout(wait)
             block = True
 
@@ -377,11 +376,11 @@ class SharedModel(Inputs):
                 if wait <= 0:
                     if slot.answered(seq):
                         break   # it came in time; this thread only ran late
-                    self._on_timeout(slot, seq)
+                    self._on_timeout(slot)
             if slot.wait(seq, wait):
                 break
             if slot.interrupted or slot.cancel is not None and slot.cancel.cancelled:
-                self._given_up(slot, seq)
+                self._given_up(slot)
             self._check_alive(h, slot, seq)
         status, text, structure = slot.response()
         if status != ST_OK:
@@ -396,20 +395,16 @@ class SharedModel(Inputs):
         self._last.set(timing)
         return outs, structure, out_names
 
-    def _given_up(self, slot: ClientSlot, seq: int):
-        """The call's handle was closed from another thread, or its forward_async task cancelled:
-        request ``seq`` is taken back (or abandoned, if a model process took it); RuntimeStopped."""
-        if not slot.withdraw():
-            slot.abandon(seq)
+    def _given_up(self, slot: ClientSlot):
+        """The call's handle was closed from another thread, or its forward_async task cancelled."""
         if slot.cancel is not None and slot.cancel.cancelled:
             raise RuntimeStopped(f"model {self.name!r}: the awaiting task was cancelled")
         raise RuntimeStopped(f"SharedModel({self.name!r}) was closed while this call waited")
 
-    def _on_timeout(self, slot: ClientSlot, seq: int,
-                    unsent: str = "the request was withdrawn before any model process took it"):
+    def _on_timeout(self, slot: ClientSlot, unsent: str = "the request was withdrawn before any model "
+                                                          "process took it"):
         if slot.withdraw():
             raise TimeoutError(f"model {self.name!r}: no result within the timeout ({unsent})")
-        slot.abandon(seq)
         raise TimeoutError(f"model {self.name!r}: no result within the timeout; a model process took "
                            f"the request: if it is being computed, its late result will be discarded, "
                            f"else it will not run")

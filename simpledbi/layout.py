@@ -67,9 +67,9 @@ def align(n: int, a: int = 4096) -> int:
 
 
 def shape_key(dtype_codes: Sequence[int], item_shapes: Sequence[Sequence[int]], names: int = 0) -> int:
-    """Requests with equal keys have equal item shapes, dtypes and input names (``names``: the
-    request's ``flags`` mask, 0 for positional inputs). The model process recomputes the key from
-    the validated request header; a client's key hint only orders the scan."""
+    """A CRC of a request's item shapes, dtypes and input names (``names``: its ``flags`` mask, 0 for
+    positional inputs), from its validated layout: what batch costs are learned by. A client can make
+    keys collide: requests share a batch only if their Layout.kind, compared exactly, is equal."""
     words: List[int] = [len(item_shapes), names]
     for c, s in zip(dtype_codes, item_shapes):
         words += [c, len(s), *s]
