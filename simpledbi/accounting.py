@@ -10,7 +10,7 @@ from .layout import (B_FIELDS, BATCH_HIST_MAX, COUNTERS, H_COMPUTE, H_LATENCY, H
                      LAT_BOUNDS, RING, ControlBlock, words)
 
 assert B_FIELDS == ("t_close", "rows", "requests", "queue_wait", "gather", "h2d", "forward", "d2h",
-                    "scatter", "runtime", "t_end")  # the order account() writes a record in
+                    "scatter", "runtime", "t_end")  # the order record() writes a record in
 _C = {n: COUNTERS.fields[n][1] // 8 for n in COUNTERS.names if n != "reserved"}
 _RECORD = struct.Struct(f"<{len(B_FIELDS)}d")   # one batch record of the ring
 _I64_MAX = 2**63 - 1

@@ -548,9 +548,8 @@ _TIMING_KEYS = ("published", "batch_closed", "done", "woken", "batch_rows")
 
 
 class _Handles:
-    """What a SharedModel holds: the model's control block (read-only), a socket connected to the
-    model's request socket, and the slot pool. Separate from the SharedModel so its finalizer can
-    reach it."""
+    """What a SharedModel holds: the model's control block (read-only), a socket connected to its
+    request socket, and the slot pool -- apart from the SharedModel, so its finalizer can reach them."""
 
     def __init__(self, namespace: str, name: str, ctl: ControlBlock, sock: socket.socket):
         self.namespace, self.name = namespace, name
@@ -604,10 +603,9 @@ class _Handles:
     @classmethod
     def find(cls, model: SharedModel, avoid: Optional[str] = None, call_deadline: Optional[float] = None,
              cancel: Optional["_Cancel"] = None, timeout: Optional[float] = None) -> "_Handles":
-        """Attach ``model`` to the runtime named ``model.runtime`` (not to namespace ``avoid``: the one
-        that went away), waiting for it to come up until the connect timeout ends, or the
-        call's (``call_deadline``; its ``timeout`` for the message), whichever ends first, or the
-        handle is closed, or the call's forward_async task cancelled (``cancel``)."""
+        """Attach ``model`` to the runtime named ``model.runtime`` (not to namespace ``avoid``, the one
+        that went away), waiting for it until the connect timeout or the call's ``call_deadline`` ends
+        (``timeout``: the call's, for the message), the handle is closed or ``cancel`` cancelled."""
         now = time.monotonic()
         deadline, call_timeout = now + model.connect_timeout, None
         if call_deadline is not None and call_deadline < deadline:

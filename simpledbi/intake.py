@@ -62,7 +62,6 @@ class Intake:
         self._free: List[int] = list(range(ctl.held.shape[1] - 1, -1, -1))
         self._inst = words(ctl.all_instances[row:row + 1])
         self._all_inst = words(ctl.all_instances)   # every instance row, both banks
-        self._held_words = range(_INST_HELD, len(self._all_inst), _INST_WORDS)
         self.count, self.on_bad, self.on_new_peer, self.on_drop = count, on_bad, on_new_peer, on_drop
 
     # ------------------------------------------------------------ receiving
@@ -215,9 +214,7 @@ class Intake:
     def _sibling(self, pid: int) -> bool:
         """Is ``pid`` a model process of this model (either bank, in any state: one that died after handing
         a request back was one when it sent it; me too: my own hand-back can come back to me)?"""
-        w = self._all_inst
-        return pid == self.pid or any(w[r * _INST_WORDS + _INST_PID] == pid
-                                       for r in range(len(w) // _INST_WORDS))
+        return pid == self.pid or pid in self._all_inst[_INST_PID::_INST_WORDS]
 
     def hand_back(self, req: Request) -> bool:
         """Give a request I took but will not start soon back to the model's socket, for an idle peer (or,
@@ -251,8 +248,7 @@ class Intake:
     def may_send(self) -> int:
         """How many clients could send a request now: the slots I know, less the requests every
         process of the model holds (an estimate: a batching hint, never a correctness input)."""
-        w = self._all_inst
-        return max(len(self.peers) - sum([w[i] for i in self._held_words]), 0)
+        return max(len(self.peers) - sum(self._all_inst[_INST_HELD::_INST_WORDS]), 0)
 
     def prune(self) -> None:
         """Drop the mappings of slots whose client detached or died (none with a request held)."""

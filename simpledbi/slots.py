@@ -35,9 +35,9 @@ Requests travel as datagrams on the model's socket, which every model process of
 Why it cannot cross, lose or wedge:
 * Which requests exist and who sent them is the kernel's word (one datagram, one reader, the sender's
   pid); the datagram is the model process's private copy of the request's header.
-* The ticket, an atomic word, decides who serves a request: a withdrawal and a claim never both win,
-  and a datagram of a request withdrawn earlier finds no ticket (or a newer PUB_SEQ: it puts the
-  ticket back for the datagram of the current request, still queued).
+* The ticket, an atomic word, decides who serves a request: a withdrawal and a claim never both win.
+  Each seq has its own (layout.TICKETS): a datagram of a request withdrawn earlier finds its ticket
+  taken, or a newer PUB_SEQ, and never holds the current request's, even for an instant.
 * A model process answers into the requester's own slot, tagged with the request's seq, written last;
   a late answer can only land in its own stale slot, which is not reused before it arrives.
 * Nothing any process maps can shrink (sealed memfds): a client can scribble on its own slot and make
