@@ -96,10 +96,9 @@ class Admission:
                 if r != self.row and w[r * _ROW_WORDS + _STATE] == INST_READY]
 
     def at_close(self, batch: List[Request]) -> List[Request]:
-        """The batch about to run, less what its callers will not read: requests whose caller
-        stopped waiting (cancelled or closed: ``withdrawn``; timed out: ``expired``), and those
-        answered after their caller's deadline -- past already (``expired``) or by the time this
-        batch is answered (refused ``Overloaded``)."""
+        """The batch about to run, less what its callers will not read: requests whose caller stopped
+        waiting (cancelled or closed: ``withdrawn``; timed out: ``expired``), and those answered after their
+        deadline -- past already (``expired``) or by the time this batch is answered (``Overloaded``)."""
         gone = [r for r in batch if r.peer.abandoned(r.seq)]   # (read once: a caller may
         if gone:                                                # abandon meanwhile)
             self._answer_gone(gone)

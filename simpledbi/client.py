@@ -340,10 +340,9 @@ class SharedModel(Inputs):
             raise
 
     def _send(self, h: "_Handles", slot: ClientSlot, deadline: Optional[float]) -> None:
-        """Send the request's datagram. While the model's socket queue is full, wait for room in
-        the kernel (woken alone when a model process takes a datagram), a poll interval at a
-        time, checking between waits that someone is still there to take it, and that the call
-        is still wanted (not closed from another thread, nor its forward_async task cancelled)."""
+        """Send the request's datagram; while the model's socket queue is full, wait for room in the
+        kernel (woken alone when a model process takes a datagram) a poll interval at a time, checking
+        that someone is still there to take it and that the call is still wanted (not closed, cancelled)."""
         block = False   # the first try returns at once
         while True:
             if slot.interrupted or slot.cancel is not None and slot.cancel.cancelled:

@@ -34,10 +34,9 @@ def _normalize_shapes(max_shape) -> Tuple[Tuple[int, ...], ...]:
 
 
 def _client_inputs(model: str, ctl: ControlBlock, max_shape, dtype):
-    """This client's (max_shapes, dtypes, input names, required names): as given, else as the model
-    declares them in its control block (rows: its max_batch_size; dtype: float32 where undeclared;
-    no names where it declares none, or not yet). A dtype that contradicts the declared one is
-    refused here."""
+    """This client's (max_shapes, dtypes, input names, required names): as given, else as the model declares
+    them in its control block (rows: its max_batch_size; dtype: float32 where undeclared; no names where it
+    declares none, or not yet). A dtype that contradicts the declared one is refused here."""
     names, shapes, decl_dtypes, required = ctl.declared()
     decl_dtypes, max_batch = tuple(map(np.dtype, decl_dtypes)), int(ctl.hdr["max_batch"])
     if max_shape is None:

@@ -13,8 +13,9 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from .layout import (CLAIM_OFF, FWD_MAGIC, FWD_PREFIX, HELD, INSTANCE, MAX_DATAGRAM, MAX_PRIORITY, PUB_SEQ_OFF,
-                     REQ_MAGIC, REQ_PREFIX, ST_BAD_REQUEST, ST_FULL, WAKE_MAGIC, ControlBlock, words)
+from .layout import (CLAIM_OFF, FWD_MAGIC, FWD_PREFIX, HELD, INSTANCE, MAX_DATAGRAM, MAX_PRIORITY,
+                     PUB_SEQ_OFF, REQ_MAGIC, REQ_PREFIX, ST_BAD_REQUEST, ST_FULL, WAKE_MAGIC, ControlBlock,
+                     words)
 from .shm import pid_alive
 from .slots import BadRequest, Layout, Limits, Peer, Request, check_size, parse_layout
 
@@ -40,13 +41,12 @@ _HOLES_CHECKED = 1 << 20
 
 
 class Intake:
-    """One model process's end of the model's socket and its mappings of client slots. Calls
-    ``count`` (accounting's counters), ``on_bad`` (a request rejected), ``on_new_peer`` and
-    ``on_drop`` (before a peer's slot is unmapped)."""
+    """One model process's (``tag``) end of the model's socket and its mappings of client slots. Calls
+    ``count`` (accounting's counters), ``on_new_peer`` and ``on_drop`` (before a peer's slot is unmapped)."""
 
     def __init__(self, sock: socket.socket, ctl: ControlBlock, row: int, limits: Limits,
-                 max_clients: int, count: Callable[..., None], on_bad: Callable[[Peer, str], None],
-                 on_new_peer: Callable[[Peer], None], on_drop: Callable[[Peer], None]):
+                 max_clients: int, tag: str, count: Callable[..., None], on_new_peer: Callable[[Peer], None],
+                 on_drop: Callable[[Peer], None]):
         self.sock = sock
         self.address = sock.getsockname()   # the model's socket: where hand-backs go
         self._readable = [sock]
@@ -62,7 +62,7 @@ class Intake:
         self._free: List[int] = list(range(ctl.held.shape[1] - 1, -1, -1))
         self._inst = words(ctl.all_instances[row:row + 1])
         self._all_inst = words(ctl.all_instances)   # every instance row, both banks
-        self.count, self.on_bad, self.on_new_peer, self.on_drop = count, on_bad, on_new_peer, on_drop
+        self.tag, self.count, self.on_new_peer, self.on_drop = tag, count, on_new_peer, on_drop
 
     # ------------------------------------------------------------ receiving
     @property
@@ -171,7 +171,10 @@ class Intake:
                     except (OSError, ValueError, OverflowError) as e:
                         raise BadRequest(f"the slot's first {end} bytes cannot be mapped: {e}") from None
         except BadRequest as e:
-            self.on_bad(peer, str(e))
+            self.count("bad_requests")
+            if not peer.warned:   # once per slot
+                peer.warned = True
+                logger.warning("%s rejected a request of process %d: %s", self.tag, pid, e)
             peer.respond(seq, ST_BAD_REQUEST, str(e), claimer=self.row)
             return None
         if not (now - self.limits.max_age <= t_pub <= now):   # NaN fails this too

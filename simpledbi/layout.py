@@ -38,7 +38,7 @@ MAX_IO = 8          # inputs and outputs per request
 MAX_NAMES = 48      # input names a model declares: bits 0..47 of a request's ``flags``
 MAX_NDIM = 8        # dimensions of one item (an input or output row)
 MAX_DIM = 2**31     # largest single dimension accepted from a client
-MAX_PRIORITY = 1000  # a call's priority is -MAX_PRIORITY..MAX_PRIORITY (model processes clamp a scribbled one)
+MAX_PRIORITY = 1000  # a call's priority: -MAX_PRIORITY..MAX_PRIORITY (model processes clamp a scribbled one)
 
 DTYPES = ("float32", "float16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool",
           "complex64")
@@ -138,11 +138,10 @@ SPEC_BYTES = 16384
 
 
 def held_cap(max_batch: int) -> int:
-    """Requests one model process may hold at once: two batches in flight (pipelining) and as
-    many again collected or set aside, and room to see every waiting client when the model is
-    past capacity (NOTE [overload]: fair turns and refusals need the waiting requests in view);
-    past that it takes no more from the socket (the kernel queue and the clients' sends hold
-    the rest)."""
+    """Requests one model process may hold at once: two batches in flight (pipelining) and as many again
+    collected or set aside, and room to see every waiting client when the model is past capacity (NOTE
+    [overload]: fair turns and refusals need the waiting requests in view); past that it takes no more
+    from the socket (the kernel queue and the clients' sends hold the rest)."""
     return 4 * max_batch + 240
 
 
@@ -211,8 +210,7 @@ class ControlBlock:
         h = ctl.hdr
         h["version"], h["state"], h["held_cap"], h["max_slots"] = VERSION, STARTING, held, max_clients
         h["model_num"], h["max_batch"], h["wait_time"] = model_num, max_batch, wait_time
-        h["supervisor_pid"] = supervisor_pid
-        h["default_timeout"] = default_timeout or 0.0
+        h["supervisor_pid"], h["default_timeout"] = supervisor_pid, default_timeout or 0.0
         h["max_queue"] = -1 if max_queue is None else max_queue
         h["magic"] = MAGIC  # last: attachers check it
         return ctl
@@ -284,9 +282,8 @@ class ControlBlock:
         self.hdr["state"] = state
 
     def write_spec(self, names: Sequence[str], required: Sequence[str], shapes, dtypes) -> None:
-        """Publish the model's declared inputs (the runtime, once, before the model is RUNNING):
-        input names, those the forward requires, item shapes and dtypes (``None`` where not
-        declared). Clients trust it."""
+        """Publish the model's declared inputs (the runtime, once, before the model is RUNNING; clients
+        trust it): input names, those the forward requires, item shapes and dtypes (None: undeclared)."""
         data = json.dumps({"names": list(names), "shapes": shapes and [list(s) for s in shapes],
                            "dtypes": dtypes and list(dtypes), "required": list(required)}).encode()
         if len(data) > SPEC_BYTES:
@@ -305,11 +302,9 @@ class ControlBlock:
                 tuple(d["dtypes"] or ()), tuple(d.get("required", ())))
 
     def backlog(self) -> Optional[Tuple[int, float, int]]:
-        """What waits at the serving model processes, as each last published it, when every one
-        of them has requests waiting (else None: one of them starts a newcomer in its next
-        batch): (requests waiting in all, the least of their ``newcomer_wait``, the lowest
-        priority waiting anywhere). A call that would wait past its deadline, or beyond
-        ``max_queue``, is refused by its client, unsent (NOTE [overload])."""
+        """What waits at the serving model processes, as each last published it, when every one of them
+        has requests waiting (else None: one starts a newcomer in its next batch): (requests waiting in
+        all, the least of their ``newcomer_wait``, the lowest priority waiting): NOTE [overload]."""
         w, f = self._inst_words, self._inst_floats
         waiting, best, lowest = 0, None, None
         for r in self.active_rows():

@@ -168,8 +168,8 @@ class ModelServer(Holding):
         limits = Limits(self.max_batch, len(cfg.input_shapes) if cfg.input_shapes else None, dtypes,
                         names=self.engine.input_names)
         self.acct = Accounting(self.ctl, self.me, self.policy.latency_target)
-        self.intake = Intake(sock, self.ctl, self.me, limits, cfg.max_clients, count=self.acct.add,
-                             on_bad=self._on_bad, on_new_peer=self._register, on_drop=self._unregister)
+        self.intake = Intake(sock, self.ctl, self.me, limits, cfg.max_clients, self.tag, count=self.acct.add,
+                             on_new_peer=self._register, on_drop=self._unregister)
         self.answers = Answers(self.tag, self.me, self.engine, self._gather, self._release,
                                self.acct.add, cfg.isolate_errors)
         # taken, not batched yet (another kind / no room), and the refusals past capacity
@@ -367,12 +367,6 @@ class ModelServer(Holding):
         if peer.registered:
             self.engine.unregister(peer.registered)
             peer.registered = 0
-
-    def _on_bad(self, peer: Peer, text: str) -> None:
-        self.acct.add("bad_requests")
-        if not peer.warned:
-            peer.warned = True
-            logger.warning("%s rejected a request of process %d: %s", self.tag, peer.pid, text)
 
     def _took(self, req: Request) -> bool:
         """A request arrived: learn from it (arrival rate, the client's turnaround); False when

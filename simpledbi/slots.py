@@ -481,10 +481,9 @@ class Peer:
 
     def answer(self, seq: int, srcs, sig: tuple, out_offset: int, structure: int, names: bytes,
                claimer: int, t_close: float, t_done: float, batch_rows: int) -> None:
-        """An answer with outputs: this request's rows of each (``srcs``: address and bytes per output,
-        one memmove each), then the response header (built once per output signature ``sig``, structure
-        and ``names``, a dict / namedtuple answer's keys; only the words a client reads), then RESP_SEQ,
-        last. The caller wakes the client. Raises OSError, TypeError or ValueError for a bad slot."""
+        """An answer with outputs: this request's rows of each (``srcs``: address and bytes per output, one
+        memmove each), the response header (_response_head, made once per ``sig``, structure and ``names``),
+        RESP_SEQ last; the caller wakes the client. Raises OSError, TypeError or ValueError for a bad slot."""
         key = (structure, out_offset, names, sig)
         head = self._heads.get(key)
         if head is None:
