@@ -198,11 +198,10 @@ class Holding:
             backlog.restore(entry)
 
     def _expect_returns(self, batch: List[Request]) -> None:
-        """Some client has several requests waiting: the clients with one call in this batch and
-        none waiting (one call at a time, by all signs) will likely send again soon, so the next
-        batch holds their turn for up to wait_time rather than give it to a busier client's
-        second turn. CPU models only: on a GPU the next batch is collected while the device runs
-        this one, and holding it halved the throughput of 256 callers (the device waited)."""
+        """Some client has several requests waiting: the next batch holds the turn of the clients with
+        one call in this one and none waiting, which will likely send again soon (NOTE [overload], Order).
+        CPU models only: on a GPU the next batch is collected while the device runs this one, and holding
+        it halved the throughput of 256 callers (the device waited)."""
         counts = Counter(r.pid for r in batch)
         waiting = self.backlog.clients()
         self._returning = {pid for pid, n in counts.items() if n == 1 and pid not in waiting}
