@@ -94,6 +94,10 @@ class Runtime(Supervision, Reloads, Workers):
 
     # ------------------------------------------------------------ start
     def start(self) -> "Runtime":
+        """Start the model processes and wait until they serve. Again on a started runtime: a no-op."""
+        if self._closed:   # (its namespace, sockets and processes are gone: nothing to start again)
+            raise RuntimeError("this Runtime was shut down (or its start failed or was interrupted) and "
+                               "cannot start again: create a new Runtime")
         if self._started:
             return self
         _check_startable(self.models, self.ctx.get_start_method())

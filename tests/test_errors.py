@@ -13,7 +13,7 @@ from simpledbi import ModelConfig, ModelError, Runtime, RuntimeStopped, SharedMo
 from simpledbi.errors import RemoteTraceback
 
 from . import models
-from .conftest import cpu_model, wait_queued
+from .conftest import FAST, cpu_model, wait_queued
 
 
 @pytest.fixture
@@ -188,8 +188,17 @@ def test_late_result_is_never_returned_to_a_later_call(start_runtime, gate):
 def test_model_that_fails_to_load_is_reported(start_runtime, tmp_path):
     broken = tmp_path / "broken.pt"
     broken.write_bytes(b"not a TorchScript archive")
+    rt = Runtime([ModelConfig(name="m", path=str(broken), device="cpu")], FAST)
     with pytest.raises(ModelError, match=r"process 0 failed to load: RuntimeError"):
-        start_runtime(ModelConfig(name="m", path=str(broken), device="cpu"))
+        rt.start()
+    # Started again (a notebook cell re-run), it did nothing and returned: every client then
+    # found no runtime. A shut-down one is the same.
+    with pytest.raises(RuntimeError, match="cannot start again: create a new Runtime"):
+        rt.start()
+    ok = start_runtime(ModelConfig(name="m", factory=models.affine, device="cpu"))
+    ok.shutdown()
+    with pytest.raises(RuntimeError, match="was shut down .* cannot start again"):
+        ok.start()
 
 
 def test_what_a_model_process_could_not_load_is_refused_before_starting_one(tmp_path, monkeypatch):
