@@ -12,7 +12,7 @@ import numpy as np
 
 __all__ = ["ModelConfig", "RuntimeOptions"]
 
-from .layout import DTYPES, MAX_NAMES
+from .layout import DTYPES, MAX_HELD, MAX_MODEL_NUM, MAX_NAMES, held_cap
 from .naming import NAME_RE as MODEL_NAME_RE   # what a model (like a runtime) may be called
 
 _PRECISIONS = ("float32", "float16", "bfloat16")
@@ -45,6 +45,10 @@ def _normalize_devices(device) -> Tuple[str, ...]:
         if not (d in ("cpu", "cuda", "auto") or re.fullmatch(r"cuda:\d+", d)):
             raise ValueError(f"device: expected 'cpu', 'cuda', 'cuda:N' or 'auto', got {d!r}")
     return tuple(devices)
+
+
+#: The largest max_batch_size whose HELD rows fit a control block (held_cap is linear: 262084).
+_MAX_BATCH = (MAX_HELD - held_cap(0)) // (held_cap(1) - held_cap(0))
 
 
 @dataclass(frozen=True)
@@ -128,8 +132,10 @@ class ModelConfig:
             object.__setattr__(self, "path", os.fspath(self.path))
         if self.factory is not None and not callable(self.factory):
             raise TypeError(f"factory: expected a callable, got {type(self.factory).__name__}")
-        _check_range("max_batch_size", self.max_batch_size, int, "int", lambda v: v >= 1, ">= 1")
-        _check_range("model_num", self.model_num, int, "int", lambda v: v >= 1, ">= 1")
+        _check_range("max_batch_size", self.max_batch_size, int, "int", lambda v: 1 <= v <= _MAX_BATCH,
+                     f"1..{_MAX_BATCH}")
+        _check_range("model_num", self.model_num, int, "int", lambda v: 1 <= v <= MAX_MODEL_NUM,
+                     f"1..{MAX_MODEL_NUM}")
         _check_range("wait_time", self.wait_time, (int, float), "a number of seconds",   # above 1: ms typed as s
                      lambda v: 0 <= v <= 1, "0 <= seconds <= 1 (e.g. wait_time=0.003 for 3 ms)")
         object.__setattr__(self, "wait_time", float(self.wait_time))

@@ -137,6 +137,11 @@ BATCH_HIST_MAX = 128
 SPEC_BYTES = 16384
 
 
+#: The most requests a control block has HELD rows for per process, and the most processes a model
+#: may have: what attach() accepts as a real control block (so ModelConfig's bounds are these).
+MAX_HELD, MAX_MODEL_NUM = 2**20, 4096
+
+
 def held_cap(max_batch: int) -> int:
     """Requests one model process may hold at once: two batches in flight (pipelining) and as many again
     collected or set aside, and room to see every waiting client when the model is past capacity (NOTE
@@ -227,7 +232,7 @@ class ControlBlock:
         held, model_num = int(head["held_cap"]), int(head["model_num"])
         del head
         if magic != MAGIC or version != VERSION or not (
-                0 < held <= 2**20 and 0 < model_num <= 4096 and seg.size >= cls.size(held, model_num)):
+                0 < held <= MAX_HELD and 0 < model_num <= MAX_MODEL_NUM and seg.size >= cls.size(held, model_num)):
             seg.close()
             raise RuntimeError(f"{seg.path} is not a simpledbi v{VERSION} control block")
         return cls(seg, held, model_num)

@@ -16,7 +16,10 @@ def ok(**kw):
     (dict(path="x.pt"), ValueError, "exactly one of path= or factory="),
     (dict(factory=None), ValueError, "exactly one of path= or factory="),
     (dict(factory=3), TypeError, "expected a callable"),
-    (dict(max_batch_size=0), ValueError, "max_batch_size: expected >= 1, got 0"),
+    (dict(max_batch_size=0), ValueError, "max_batch_size: expected 1..262084, got 0"),
+    # (a larger one failed to load: "... is not a simpledbi v10 control block")
+    (dict(max_batch_size=300000), ValueError, "max_batch_size: expected 1..262084, got 300000"),
+    (dict(model_num=5000), ValueError, "model_num: expected 1..4096, got 5000"),
     (dict(max_batch_size=2.5), TypeError, "max_batch_size: expected int"),
     (dict(model_num=0), ValueError, "model_num"),
     (dict(wait_time=-1), ValueError, "wait_time"),
