@@ -7,7 +7,6 @@ import dataclasses
 import logging
 import os
 import time
-from typing import Optional
 
 from .config import ModelConfig
 from .errors import RuntimeStopped
@@ -19,9 +18,10 @@ logger = logging.getLogger("simpledbi.runtime")
 
 
 class Reloads:
-    def reload(self, model: str, path: Optional[str] = None, timeout: float = 60.0) -> ModelConfig:
-        """Replace the processes of ``model`` (with the model at ``path`` -- a file, or a factory
-        by import path ``"module:function"`` -- else the same source loaded again) without failing
+    def reload(self, model: str, path=None, timeout: float = 60.0) -> ModelConfig:
+        """Replace the processes of ``model`` (with the model at ``path`` -- a file, a factory by
+        import path ``"module:function"``, or the factory itself, a callable as ``ModelConfig(factory=)``
+        takes -- else the same source loaded again) without failing
         a request: start new processes in the other bank of the control block while the current
         ones serve (loaded, they claim nothing yet), switch, then let the old ones answer what
         they took and exit (terminated after ``timeout`` seconds). If a new process fails to
@@ -36,7 +36,12 @@ class Reloads:
                 raise LookupError(f"no model named {model!r}; this runtime serves "
                                   f"{[c.name for c in self.models]}")
             cfg = self.models[idx]
-            if path is not None:   # a model file, or a factory by import path "module:function"
+            if callable(path):
+                kind, source = "factory", path
+            elif path is not None:   # a model file, or a factory by import path "module:function"
+                if not isinstance(path, (str, os.PathLike)):
+                    raise TypeError(f"reload {model!r}: expected a model file, 'module:function' or a "
+                                    f"factory (a callable), got {type(path).__name__} {path!r}")
                 try:
                     kind, source = sources.resolve(os.fspath(path))
                 except (FileNotFoundError, ValueError) as e:
@@ -97,7 +102,7 @@ class Reloads:
                     os.write(self._wake_w, b"r")   # and watches their exits from now on
             self._wake_model_processes(model, 2 * n)   # old ones see they retire
             logger.info("model %r reloaded%s: %d new process(es) serve; the old ones finish what "
-                        "they took", model, f" from {path}" if path else "", n)
+                        "they took", model, f" from {sources.describe(path) if callable(path) else path}" if path else "", n)
             deadline = time.monotonic() + timeout
             for m in old:   # ValueError: it exited, and the supervisor reaped and closed it meanwhile
                 with contextlib.suppress(ValueError):

@@ -252,6 +252,19 @@ def test_simpledbi_reload_takes_a_factory_by_import_path_like_serve_does():
         _stop(proc)
 
 
+@pytest.mark.timeout(120)
+def test_runtime_reload_takes_a_factory_itself():
+    # as ModelConfig(factory=) does; it raised "expected str, bytes or os.PathLike object, not function"
+    with Runtime([cpu_model("m", models.affine)], FAST) as rt:
+        with pytest.raises(TypeError, match=r"reload 'm': expected a model file, 'module:function' or a "
+                                            r"factory \(a callable\), got int 3"):
+            rt.reload("m", 3)
+        rt.reload("m", models.Triple)
+        with SharedModel("m", (1, 3), namespace=rt.namespace) as client:
+            x = np.ones((1, 3), np.float32)
+            np.testing.assert_array_equal(client.forward(x), x * 3 + 1)
+
+
 def test_a_reload_before_start_says_the_runtime_is_not_started():
     rt = Runtime([cpu_model("m", models.affine)])
     try:
