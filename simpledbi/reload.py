@@ -46,6 +46,7 @@ class Reloads:
                     kind, source = sources.resolve(os.fspath(path))
                 except (FileNotFoundError, ValueError) as e:
                     raise type(e)(f"reload {model!r}: {e}") from None
+            if path is not None:
                 if kind == "factory":
                     source = sources.ship(f"model {model!r}: factory", source, self.ctx.get_start_method())
                 cfg = dataclasses.replace(cfg, **{"path": None, "factory": None, kind: source})
