@@ -89,17 +89,18 @@ def wanted(mode: str, models: Sequence) -> Optional[str]:
     """Why this runtime wants MPS, or None. "auto": two or more model processes (of all
     ``models``, each instance placed by ``ModelConfig.device_of``) share a CUDA device. "cuda"
     and "auto" spread instances over the visible GPUs (engine.resolve_device); "auto" counts as a
-    GPU (the parent never imports torch to check: without a GPU the MPS binary is absent too)."""
+    GPU where the NVIDIA driver lists one (the parent never imports torch to check), else the CPU."""
     if mode == "off":
         return None
     if mode == "on":
         return "mps='on'"
-    gpus = max(visible_gpu_count(), 1)
+    seen = visible_gpu_count()
+    gpus = max(seen, 1)
     per_gpu = collections.Counter()
     for cfg in models:
         for i in range(cfg.model_num):
             device = cfg.device_of(i)
-            if device != "cpu":
+            if device != "cpu" and (device != "auto" or seen):
                 per_gpu[device if ":" in device else f"cuda:{cfg.gpu_ordinal(i) % gpus}"] += 1
     shared = [f"{n} model processes on {gpu}" for gpu, n in sorted(per_gpu.items()) if n > 1]
     return ", ".join(shared) or None

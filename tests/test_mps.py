@@ -207,6 +207,13 @@ def test_which_placements_want_mps(mode, models, expected, monkeypatch):
     assert mps.wanted(mode, models) == expected
 
 
+def test_on_a_host_without_a_gpu_auto_wants_no_mps(monkeypatch):
+    # it logged "running without it (2 model processes on cuda:0)" where status showed them on cpu
+    monkeypatch.setattr(mps, "visible_gpu_count", lambda: 0)
+    assert mps.wanted("auto", [_cfg("auto", 2)]) is None
+    assert mps.wanted("auto", [_cfg("cuda", 2)]) == "2 model processes on cuda:0"   # asked for: it fails
+
+
 @pytest.mark.parametrize("models,expected", [
     ([_cfg("cuda", 2)], None),                                           # one per GPU
     ([_cfg("auto", 4)], "2 model processes on cuda:0, 2 model processes on cuda:1"),
@@ -345,7 +352,8 @@ def test_a_daemon_that_never_answers_is_given_up(fake_mps, monkeypatch, caplog, 
 def test_a_daemon_that_fails_to_start_falls_back_once_and_serving_works(fake_mps, monkeypatch, caplog):
     caplog.set_level(logging.INFO, logger=mps.__name__)
     monkeypatch.setenv("FAKE_MPS_MODE", "fail_start")
-    # device "auto" on this CPU machine: placed on the GPU for the decision, runs on the CPU
+    # device "auto" where the driver lists a GPU: placed on it for the decision; runs on the CPU here
+    monkeypatch.setattr(mps, "visible_gpu_count", lambda: 1)
     with Runtime([cpu_model("m", models.affine, device="auto", model_num=2)], _options("auto")) as rt:
         assert rt.mps.state == "skipped"
         assert rt.mps.reason == f"`{mps.CONTROL} -d` exited with code 1: fake failure to start"
@@ -364,6 +372,7 @@ def test_a_missing_binary_falls_back_once_and_serving_works(tmp_path, monkeypatc
     monkeypatch.setenv("PATH", str(empty))
     monkeypatch.delenv(mps.PIPE_VAR, raising=False)
     monkeypatch.setattr(mps, "SYSTEM_PIPE_DIR", str(tmp_path / "no-system-daemon"))
+    monkeypatch.setattr(mps, "visible_gpu_count", lambda: 1)   # (as above)
     with Runtime([cpu_model("m", models.affine, device="auto", model_num=2)], _options("auto")) as rt:
         assert rt.mps == mps.MpsStatus("skipped", f"{mps.CONTROL} is not on PATH")
         _serves(rt, "m")
