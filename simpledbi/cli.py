@@ -79,7 +79,8 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--metrics-addr", help="address for /metrics (default 0.0.0.0)")
     s.add_argument("--drain-timeout", type=float,
                    help="seconds to finish accepted requests at SIGTERM (default 30)")
-    s.add_argument("--log-level", default="INFO")
+    s.add_argument("--log-level", default="INFO", type=str.upper,
+                   choices=("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"))
     s.set_defaults(func=_serve)
 
     st = sub.add_parser("status", help="what a running runtime is doing")
@@ -131,10 +132,18 @@ def load_serve_config(args: argparse.Namespace) -> ServeConfig:
     if "device" in flags and "," in flags["device"]:
         flags["device"] = flags["device"].split(",")
     if args.input_shape:
-        flags["input_shapes"] = [tuple(int(d) for d in s.split(",")) for s in args.input_shape]
+        try:
+            flags["input_shapes"] = [tuple(int(d) for d in s.split(",")) for s in args.input_shape]
+        except ValueError:
+            raise ValueError(f"--input-shape: expected item dimensions as integers D1,D2,..., got "
+                             f"{args.input_shape}") from None
     if args.input_dtype:
         flags["input_dtypes"] = list(args.input_dtype)
-    entries = [dict(m) for m in doc.get("models", [])]
+    entries = doc.get("models", [])
+    if not isinstance(entries, list) or not all(isinstance(m, dict) for m in entries):
+        raise ValueError(f"{args.config}: models: expected [[models]] tables (name = ..., path = ... or "
+                         f"factory = ...), got {entries!r}")
+    entries = [dict(m) for m in entries]
     for spec in args.model:
         model_name, sep, where = spec.partition("=")
         if not sep or not where:
@@ -147,7 +156,10 @@ def load_serve_config(args: argparse.Namespace) -> ServeConfig:
     if not entries:
         raise ValueError("no model to serve: give --model NAME=PATH (or [[models]] in --config)")
     models = [_model_config({**e, **flags}) for e in entries]
-    options = dict(doc.get("options", {}))
+    options = doc.get("options", {})
+    if not isinstance(options, dict):
+        raise ValueError(f"{args.config}: options: expected an [options] table, got {options!r}")
+    options = dict(options)
     if args.mps:
         options["mps"] = args.mps
     try:
@@ -178,7 +190,7 @@ def _model_config(entry: Dict[str, Any]) -> ModelConfig:   # entry: a fresh dict
 
 def _serve(args: argparse.Namespace) -> int:
     from .runtime import Runtime
-    logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+    logging.basicConfig(level=getattr(logging, args.log_level),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = load_serve_config(args)
     naming.refuse_if_live(naming.resolve(cfg.name), cfg.name)   # before "starting" (register() too)

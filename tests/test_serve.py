@@ -417,6 +417,19 @@ def test_serve_config_from_toml_and_flags(tmp_path):
     cfg.write_text('name = "x"\nmetrics_port = "9100"\n[[models]]\nname = "a"\nfactory = "tests.models:affine"\n')
     with pytest.raises(ValueError, match=r"metrics_port: expected a port number 0-65535, got '9100'"):
         load_serve_config(_parser().parse_args(["serve", "--config", str(cfg)]))
+    for toml, words in (("models = 3", r"models: expected \[\[models\]\] tables .*got 3"),
+                        ('options = 2\n[[models]]\nname = "a"\nfactory = "tests.models:affine"',
+                         r"options: expected an \[options\] table, got 2")):
+        cfg.write_text(f'name = "x"\n{toml}\n')   # ('int' object is not iterable)
+        with pytest.raises(ValueError, match=words):
+            load_serve_config(_parser().parse_args(["serve", "--config", str(cfg)]))
+    with pytest.raises(ValueError, match=r"--input-shape: expected item dimensions as integers D1,D2,..., "
+                                         r"got \['8,x'\]"):   # (int()'s message did not name the flag)
+        load_serve_config(_parser().parse_args(["serve", "--name", "x", "--model", "a=tests.models:affine",
+                                                "--input-shape", "8,x"]))
+    with pytest.raises(SystemExit):   # argparse's "invalid choice": LOUD was taken for INFO
+        _parser().parse_args(["serve", "--name", "x", "--log-level", "LOUD"])
+    assert _parser().parse_args(["serve", "--log-level", "debug"]).log_level == "DEBUG"
     for bad in ('"abc"', "-1", "nan"):   # (a negative one skipped the drain; a string said "could not convert")
         cfg.write_text(f'name = "x"\ndrain_timeout = {bad}\n[[models]]\nname = "a"\nfactory = "tests.models:affine"\n')
         with pytest.raises(ValueError, match=r"drain_timeout: expected seconds >= 0, got "):
