@@ -495,7 +495,8 @@ def _status_error(name: str, status: int, text: str, timeout: Optional[float] = 
         return ValueError(f"model {name!r} rejected the request: {text}")
     if status == ST_DIED:   # the supervisor's text says how it died (supervisor.exit_how)
         code = re.search(r"exit code (-?\d+)", text)
-        return ModelProcessDied(f"model {name!r}: {text}", int(code.group(1)) if code else None)
+        prefix = "" if text.startswith(f"model {name!r}") else f"model {name!r}: "   # (the supervisor's says it)
+        return ModelProcessDied(prefix + text, int(code.group(1)) if code else None)
     if status == ST_FULL:
         return SlotsExhausted(f"model {name!r}: {text}")
     if status == ST_EXPIRED:

@@ -133,8 +133,9 @@ class Supervision:
         while failures and failures[0] < now - m.cfg.restart_window:
             failures.popleft()
         if len(failures) > m.cfg.max_restarts:
-            why = (f"{text}; model {name!r} failed {len(failures)} times within "
-                   f"{m.cfg.restart_window:g} s and is marked broken")
+            times = "once" if len(failures) == 1 else f"{len(failures)} times"
+            why = (f"{text}; model {name!r} failed {times} within {m.cfg.restart_window:g} s (max_restarts "
+                   f"{m.cfg.max_restarts}) and is marked broken")
             logger.error("%s", why)
             self.broken[name] = why
             ctl.set_state(BROKEN, why, m.proc.exitcode or 0)

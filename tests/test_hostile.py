@@ -740,9 +740,16 @@ def test_model_that_dies_too_often_is_marked_broken(start_runtime):
     m = SharedModel("affine", max_shape=(1, 2), namespace=rt.namespace, poll_interval=0.05)
     os.kill(_pids(rt, "affine")[0], signal.SIGKILL)
     _wait_for(lambda: rt.ctls["affine"].state == BROKEN)
-    with pytest.raises(ModelProcessDied, match="marked broken"):
+    with pytest.raises(ModelProcessDied, match=r"model 'affine' failed once within 60 s \(max_restarts 0\) "
+                                               r"and is marked broken"):
         m.forward(np.ones((1, 2), np.float32), timeout=10)
     m.close()
+    # what the supervisor answers queued requests with names the model once ("model 'k': model 'k' ...")
+    from simpledbi.client import _status_error
+    from simpledbi.layout import ST_DIED
+    e = _status_error("affine", ST_DIED, rt.broken["affine"])
+    assert str(e) == rt.broken["affine"] and str(e).startswith("model 'affine' process 0 (pid ")
+    assert str(_status_error("affine", ST_DIED, "died (exit code 3)")) == "model 'affine': died (exit code 3)"
 
 
 # ---------------------------------------------------------------- names and other users
