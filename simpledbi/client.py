@@ -36,7 +36,7 @@ from .layout import (BROKEN, MAX_PRIORITY, OUT_DICT, OUT_TENSOR, OUT_TUPLE, ST_B
                      ST_EXPIRED, ST_FULL, ST_INTERNAL, ST_MODEL_ERROR, ST_OK, ST_OVERLOADED, ST_STOPPED,
                      STARTING, STOPPING, ControlBlock, decode_names, socket_path)
 from .overload import Refusal
-from .shm import SHM_DIR, pid_alive
+from .shm import NAMESPACE_RE, SHM_DIR, pid_alive
 from .slots import ClientSlot, _dumpable
 
 logger = logging.getLogger(__name__)
@@ -140,6 +140,9 @@ class SharedModel(Inputs):
         self.connect_timeout = float(connect_timeout)
         #: The priority of calls that give none (higher runs first; NOTE [overload]).
         self.priority = _check_priority(priority)
+        if namespace is not None and runtime is not None:   # (runtime= won, and namespace= went unseen)
+            raise TypeError(f"pass runtime= (a runtime's name) or namespace= (Runtime.namespace), not "
+                            f"both; got runtime={runtime!r}, namespace={namespace!r}")
         if namespace is None and runtime is None:
             namespace = os.environ.get(ENV_NAMESPACE) or None
             runtime = None if namespace else os.environ.get(naming.ENV_RUNTIME) or None
@@ -227,13 +230,17 @@ class SharedModel(Inputs):
 
     __call__ = forward
 
-    def _forward(self, inputs, named, timeout, priority, cancel: Optional["_Cancel"] = None):
+    def _forward(self, inputs, named, timeout, priority, cancel: Optional["_Cancel"] = None,
+                 t_call: Optional[float] = None):
+        """``t_call``: when the call began (forward_async's: its timeout counts from then, and its
+        messages name that timeout, not what is left of it)."""
         if self._closed:
             raise RuntimeStopped(f"SharedModel({self.name!r}) is closed")
         arrays, as_torch, names, positions = self._validate(inputs, named)
         timeout = self._h.default_timeout if timeout is None else _check_timeout(timeout)
         priority = self.priority if priority is None else _check_priority(priority)
-        t_call = time.monotonic()
+        if t_call is None:
+            t_call = time.monotonic()
         deadline = None if timeout is None else t_call + timeout
         while True:
             h = self._h
@@ -265,12 +272,10 @@ class SharedModel(Inputs):
         answer has arrived)."""
         cancel = _Cancel()
         timeout = self._h.default_timeout if timeout is None else _check_timeout(timeout)
-        # the timeout counts from this call, not from when a thread of the pool picks it up
-        deadline = None if timeout is None else time.monotonic() + timeout
+        t_call = time.monotonic()   # its timeout counts from now, not from when a pool thread takes it
 
         def call():   # in a thread of the pool
-            left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
-            out = self._forward(inputs, kw_inputs, left, priority, cancel)
+            out = self._forward(inputs, kw_inputs, timeout, priority, cancel, t_call)
             return out, self._last.get(None)   # set by this executor thread's own call
         try:
             out, timing = await asyncio.get_running_loop().run_in_executor(_async_executor(), call)
@@ -466,10 +471,10 @@ def _overloaded(name: str, why: Refusal, timeout: Optional[float], t_call: float
                    + "; the request was refused without running (retry later, or allow a longer "
                    "timeout)")
     else:
-        limit = "" if max_queue is None else f" ({max_queue})"
+        limit = "" if max_queue is None else f" is {max_queue}"
         message = (f"model {name!r} is overloaded: "
                    + (f"{waiting} requests are waiting, ModelConfig.max_queue is {max_queue}"
-                      if waiting is not None else f"ModelConfig.max_queue{limit} requests are waiting")
+                      if waiting is not None else f"its queue is full (ModelConfig.max_queue{limit})")
                    + "; this request was refused without running (retry later)")
     return Overloaded(message, why.reason, wait, timeout)
 
@@ -563,6 +568,9 @@ class _Handles:
 
     @classmethod
     def open(cls, namespace: str, name: str) -> "_Handles":
+        if not isinstance(namespace, str) or not NAMESPACE_RE.match(namespace):   # ("../../etc", "")
+            raise LookupError(f"no simpledbi runtime {namespace!r} is running here (a namespace is "
+                              f"Runtime.namespace: sdbi_<pid>_<hex>)")
         try:
             ctl = ControlBlock.attach(namespace, name, readonly=True)
         except OSError as e:

@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm"
 PREFIX = "sdbi_"
-_NS_RE = re.compile(r"^sdbi_(\d+)_[0-9a-f]+$")
+NAMESPACE_RE = re.compile(r"^sdbi_(\d+)_[0-9a-f]+$")
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL
 _O_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
@@ -287,7 +287,7 @@ def sweep_dead_namespaces() -> int:
         return 0
     removed = 0
     for ns in entries:
-        m = _NS_RE.match(ns)
+        m = NAMESPACE_RE.match(ns)
         if not m or pid_alive(int(m.group(1))):
             continue
         try:   # what a dead run's clients left there must not stop a new run from starting

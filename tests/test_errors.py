@@ -69,6 +69,15 @@ def test_a_name_no_model_can_have_is_a_lookup_error_not_an_os_error(affine):
             SharedModel(name, max_shape=(1, 3), namespace=affine.namespace)
 
 
+def test_a_namespace_that_no_runtime_can_have_or_two_ways_to_attach_say_so(affine):
+    # both: runtime= won, namespace= went unseen, and the call waited 30 s for a runtime "x"
+    with pytest.raises(TypeError, match="pass runtime= .* or namespace= .*, not both"):
+        SharedModel("affine", (2, 3, 4), runtime="x", namespace=affine.namespace)
+    for ns in ("../../etc", "", "sdbi_u0"):   # ("no model named 'affine' in runtime ../../etc; available: []")
+        with pytest.raises(LookupError, match=r"no simpledbi runtime .* is running here \(a namespace is "):
+            SharedModel("affine", (2, 3, 4), namespace=ns)
+
+
 def test_no_runtime_at_all(monkeypatch):
     monkeypatch.delenv("SIMPLEDBI_NAMESPACE", raising=False)
     with pytest.raises(LookupError, match="no simpledbi runtime"):

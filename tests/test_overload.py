@@ -2,6 +2,7 @@
 bound, priority order, a fair share per client process, and what stats() counts."""
 from __future__ import annotations
 
+import asyncio
 import functools
 import os
 import multiprocessing as mp
@@ -157,13 +158,42 @@ def test_max_queue_refuses_the_newcomer_or_the_lowest_it_outranks(start_runtime,
         out = calls[name][1]
         if name == refused:
             assert isinstance(out.get("error"), Overloaded) and out["error"].reason == "queue"
-            assert "max_queue" in str(out["error"])
+            assert "ModelConfig.max_queue is 2" in str(out["error"])   # (was "max_queue (2) requests are waiting")
         else:
             np.testing.assert_array_equal(out["y"], X * n * 2 + 1)
     if newcomer_priority:
         closed = {k: calls[k][1]["timing"]["batch_closed"] for k in "BCE"}
         assert closed["E"] < closed["B"] < closed["C"]
     assert m.stats()["rejected"] == {"deadline": 0, "queue": 1}
+
+
+@pytest.mark.timeout(120)
+def test_an_async_call_refused_names_its_own_timeout(start_runtime, gate):
+    # forward_async passed what was left of its timeout when a pool thread took the call: the
+    # error said "past its timeout of 17.5 ms" for timeout=0.02, and Overloaded.timeout was that
+    rt = start_runtime(cpu_model("m", functools.partial(models.sleepy, 0.0, gate.name), max_batch_size=1,
+                                 max_queue=0))
+    m = SharedModel("m", max_shape=(1, 4), namespace=rt.namespace)
+    first = _call_in_thread(m, np.full((1, 4), models.GATE, np.float32))
+    gate.wait_entered()
+    second = _call_in_thread(m, X)        # the next batch's
+    wait_queued(m, n=1)
+    out = {}
+
+    def third():   # refused once the process takes it, after the gate opens
+        try:
+            asyncio.run(m.forward_async(X, timeout=30.0))
+        except Exception as e:  # noqa: BLE001
+            out["e"] = e
+    t = threading.Thread(target=third)
+    t.start()
+    wait_queued(m, n=2)
+    gate.open()
+    for thread in (first[0], second[0], t):
+        thread.join(60)
+    e = out.get("e")
+    assert isinstance(e, Overloaded) and e.reason == "queue", out
+    assert e.timeout == 30.0 and "ModelConfig.max_queue is 0" in str(e), (e, e.timeout)
 
 
 @pytest.mark.timeout(120)
