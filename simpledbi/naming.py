@@ -318,8 +318,10 @@ def register(name: str, namespace: str, models: Sequence[str]) -> str:
 
 def refuse_if_live(reg: Optional[Registration], name: str) -> None:
     if reg is not None and _live(reg):
+        here = (": this process started it (a notebook cell run again?): call shutdown() on that "
+                "Runtime first" if reg.pid == os.getpid() else "; stop it")
         raise RuntimeError(f"a simpledbi runtime named {name!r} is already running "
-                           f"(pid {reg.pid}); stop it or choose another name")
+                           f"(pid {reg.pid}){here} or choose another name")
 
 
 def unregister(path: str, namespace: str) -> None:

@@ -93,7 +93,8 @@ def test_a_named_runtime_is_found_by_name_and_the_name_is_exclusive(monkeypatch)
         reg = naming.resolve(name)
         assert reg.namespace == rt.namespace and reg.models == ("m",) and reg.pid == os.getpid()
         second = Runtime([cpu_model("m", models.affine)], FAST, name=name)
-        with pytest.raises(RuntimeError, match=f"runtime named '{name}' is already running"):
+        with pytest.raises(RuntimeError, match=f"runtime named '{name}' is already running \\(pid {os.getpid()}\\): "
+                                               f"this process started it .* call shutdown\\(\\) on that Runtime"):
             second.start()
         assert second.namespace is None and second._janitor is None   # refused before starting anything
         with SharedModel("m", (2, 3), runtime=name) as a:
