@@ -24,7 +24,7 @@ class Reloads:
         takes -- else the same source loaded again) without failing
         a request: start new processes in the other bank of the control block while the current
         ones serve (loaded, they claim nothing yet), switch, then let the old ones answer what
-        they took and exit (terminated after ``timeout`` seconds). If a new process fails to
+        they took and exit (killed after ``timeout`` seconds). If a new process fails to
         load, the new ones are stopped -- they hold nothing -- and the current version keeps
         serving; the error is raised. Holds both versions in memory meanwhile."""
         if not (isinstance(timeout, (int, float)) and not isinstance(timeout, bool)

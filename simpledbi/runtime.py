@@ -3,7 +3,7 @@
 
 A model process that dies is restarted while the other instances serve (supervisor.py); only a
 model marked broken makes ``Run`` raise. Shutdown is ordered and idempotent: refuse new requests
--> stop workers -> wake and stop model processes -> join with timeout -> terminate -> kill ->
+-> stop workers -> wake and stop model processes -> join with timeout -> kill (they ignore SIGTERM) ->
 answer what is left queued -> close views -> remove the namespace."""
 from __future__ import annotations
 
