@@ -80,7 +80,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--drain-timeout", type=float,
                    help="seconds to finish accepted requests at SIGTERM (default 30)")
     s.add_argument("--log-level", default="INFO", type=str.upper,
-                   choices=("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"))
+                   choices=("DEBUG", "INFO", "WARNING", "WARN", "ERROR", "CRITICAL"))
     s.set_defaults(func=_serve)
 
     st = sub.add_parser("status", help="what a running runtime is doing")

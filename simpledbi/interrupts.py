@@ -19,6 +19,7 @@ larger than a pipe holds keeps ``start()`` writing until the child, importing, r
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import threading
 from multiprocessing import resource_tracker
@@ -65,5 +66,22 @@ def child_signals(ignore_term: bool = False) -> None:
     at SIGTERM, which needs its model processes alive. The runtime stops them through the model's
     state, and kills one that does not stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN if ignore_term else signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, _ignored_here(os.getpid()) if ignore_term else signal.SIG_DFL)
+    if ignore_term:   # system calls interrupted by it resume where the kernel can (SA_RESTART)
+        signal.siginterrupt(signal.SIGTERM, False)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, _SIGINT)
+
+
+def _ignored_here(pid: int):
+    """A SIGTERM handler that ignores it in process ``pid`` only. Not SIG_IGN: that is inherited
+    across fork and exec, and the model's own children (a ``multiprocessing.Pool`` in its factory,
+    a helper it ``terminate()``s) would ignore SIGTERM too -- the pool's exit hung, and a
+    helper outlived a SIGTERM to the group. A handler is reset to the default by exec; a process
+    forked from this one (the handler copied) takes the default action itself. The cost: a wait
+    the kernel never restarts (``sem_timedwait``, ``nanosleep``, ``select``) returns EINTR in the
+    model's code; Python's own calls retry, a C extension may raise (posix_ipc's SignalError)."""
+    def on_sigterm(signum, frame):
+        if os.getpid() != pid:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+    return on_sigterm

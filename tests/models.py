@@ -46,7 +46,12 @@ class Gated(nn.Module):
     def forward(self, x):
         if bool((x == GATE).any()):
             self.entered.release()
-            self.gate.acquire(60)  # bounded: a broken test fails instead of hanging
+            while True:   # (a forward pass goes on through a SIGTERM to the group: serve drains)
+                try:
+                    self.gate.acquire(60)  # bounded: a broken test fails instead of hanging
+                    break
+                except posix_ipc.SignalError:   # sem_timedwait is never restarted after a handler
+                    continue
         return x * 2 + 1
 
 
@@ -382,3 +387,29 @@ class Sleepy(nn.Module):
 
 def sleepy(seconds: float = 0.01, gate_name: str = ""):
     return Sleepy(seconds, gate_name)
+
+
+def term_children():
+    """An affine model whose factory stops children of its own with SIGTERM, as a
+    multiprocessing.Pool's exit does: one it started with exec, one it forked."""
+    import signal
+    import subprocess
+    import sys
+    helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    helper.terminate()
+    assert helper.wait(30) == -signal.SIGTERM
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:   # the model process's SIGTERM handler, copied
+        try:
+            os.write(w, b"x")   # (CPython drops a signal that comes before its after-fork reset)
+            time.sleep(60)
+        finally:
+            os._exit(0)
+    os.read(r, 1)
+    os.close(r)
+    os.close(w)
+    os.kill(pid, signal.SIGTERM)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM, status
+    return Affine()

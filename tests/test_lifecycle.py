@@ -204,6 +204,17 @@ def test_a_runtime_killed_by_a_signal_leaves_nothing_behind(start_method, to_gro
 
 
 @pytest.mark.timeout(120)
+def test_a_model_that_stops_its_own_children_with_sigterm_still_can(start_runtime):
+    # Model processes ignore SIGTERM (a group SIGTERM is the main process's to act on: serve
+    # drains). With SIG_IGN their children ignored it too, exec'ed or forked: a Pool's exit in a
+    # factory hung until load_timeout, and a helper outlived a SIGTERM to the group.
+    rt = start_runtime(cpu_model("m", models.term_children))
+    with SharedModel("m", (1, 3), namespace=rt.namespace) as client:
+        x = np.ones((1, 3), np.float32)
+        np.testing.assert_array_equal(client.forward(x), x * 2 + 1)
+
+
+@pytest.mark.timeout(120)
 def test_ctrl_c_while_a_model_loads_stops_at_once(tmp_path):
     # A loading process holds no request and sees STOPPING only once loaded: shutdown used to
     # wait out join_timeout (30 s here) for it before terminating it.
