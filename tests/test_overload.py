@@ -333,25 +333,34 @@ def test_a_request_handed_back_by_a_process_that_died_is_still_answered(start_ru
 
 
 @pytest.mark.timeout(120)
-def test_max_queue_refuses_only_what_would_wait(start_runtime):
+def test_max_queue_refuses_only_what_would_wait(start_runtime, gate):
     """max_queue counts the requests waiting at every process, but a newcomer taken by an idle
     one goes straight into its next batch: it waits for nothing, so it is not refused."""
-    rt = start_runtime(cpu_model("m", functools.partial(models.sleepy, 0.5), max_batch_size=1,
+    # (ordered by a gate and by batch lengths: with two equal batches the processes finished
+    # close together on a loaded machine, both took from the socket, and neither held max_queue)
+    rt = start_runtime(cpu_model("m", functools.partial(models.sleepy, 0.5, gate.name), max_batch_size=1,
                                  model_num=2, max_queue=2))
     m = SharedModel("m", max_shape=(1, 4), namespace=rt.namespace)
     inst = lambda field: [int(v) for v in m.ctl.all_instances[field][:2]]  # noqa: E731
     _wait_for(lambda: inst("free") == [1, 1])
-    calls = [_call_in_thread(m, X * 1)]
-    _wait_for(lambda: sum(inst("held")) == 1)
-    calls.append(_call_in_thread(m, X * 2))
+    xs = [np.full((1, 4), models.GATE, np.float32), X * 2]
+    for k in (3, 4, 5):   # 1.5 s batches (SLOW): the other process is idle long before they end
+        x = X * k
+        x[0, 0] = models.SLOW
+        xs.append(x)
+    calls = [_call_in_thread(m, xs[0])]
+    gate.wait_entered()                       # one process holds it until the gate opens
+    calls.append(_call_in_thread(m, xs[1]))
     _wait_for(lambda: inst("held") == [1, 1])
-    calls += [_call_in_thread(m, X * k) for k in (3, 4, 5)]
-    # the first to finish runs one and holds two waiting (max_queue); the other goes idle
+    calls += [_call_in_thread(m, x) for x in xs[2:]]
+    # the other finishes first, runs one and holds two waiting (max_queue) ...
+    _wait_for(lambda: sorted(inst("queued")) == [0, 2])
+    gate.open()   # ... and the gated one finishes and goes idle
     _wait_for(lambda: sorted(inst("queued")) == [0, 2] and inst("free")[inst("queued").index(0)] == 1)
     np.testing.assert_array_equal(m.forward(X * 6), X * 6 * 2 + 1)
-    for k, (t, out) in enumerate(calls, start=1):
+    for (t, out), x in zip(calls, xs):
         t.join(60)
-        np.testing.assert_array_equal(out["y"], X * k * 2 + 1)
+        np.testing.assert_array_equal(out["y"], x * 2 + 1)
     assert m.stats()["rejected"]["queue"] == 0
 
 
