@@ -1,14 +1,7 @@
 """Runs one gathered batch through the model: gather -> (host->device) -> forward -> (device->host).
-Only in model processes (it imports torch). Two data paths:
-
-* CPU: each request's rows are copied (one memmove) from its slot's mapping -- a sealed memfd, which
-  cannot SIGBUS -- into a preallocated staging buffer.
-* CUDA: ``gather="device"`` issues one asynchronous DMA per request straight from the client's shared
-  memory, registered once with ``cudaHostRegister`` so it counts as pinned (the CPU never touches that
-  mapping); ``gather="host"`` copies into a pinned staging buffer and transfers once. Outputs come back
-  with one copy per output into pinned memory; the caller scatters rows from there.
-
-Stage times: CUDA events on the device (no extra synchronisation), ``perf_counter`` on the host."""
+Only in model processes (it imports torch). The data paths are README's (Architecture, step 5): a slot
+is read through its mapping of a sealed memfd, which cannot SIGBUS. Stage times: CUDA events on the
+device (no extra synchronisation), ``perf_counter`` on the host."""
 from __future__ import annotations
 
 import ctypes
@@ -385,9 +378,8 @@ class Engine(GraphsAndSizes):
 
     def warm_up(self, shapes: Sequence[Tuple[int, ...]], dtypes: Sequence[str], batch_sizes: Sequence[int],
                 names: Optional[Tuple[str, ...]] = None) -> None:
-        """Run the model on zero batches so lazy initialisation (cuDNN plans, allocator pools,
-        TorchScript profiling runs) is paid before the first request. With ``names``, the inputs
-        are passed by those names."""
+        """Run the model on zero batches (inputs by ``names``, if given) so lazy initialisation
+        (cuDNN plans, allocator pools, TorchScript profiling runs) is paid before the first request."""
         self._sizes_run.setdefault(signature(shapes, dtypes, names), set()).update(batch_sizes)
         with torch.inference_mode():
             for n in batch_sizes:
