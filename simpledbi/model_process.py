@@ -1,19 +1,8 @@
-"""What runs in a model process: load, warm up, then the batch loop.
-
-Entry point :func:`model_process_main` is module-level so ``spawn`` can pickle it. The loop::
-
-    receive from the model's socket (a kernel wait, woken alone; timeout: poll_interval)
-      -> intake.py: the datagram's sender, its slot, the ticket, the checks -> a Request
-      -> admission.py: refused at once if it cannot make its deadline (NOTE [overload])
-      -> holding.py: the batch filled from what is held, in order (priority, fair turns)
-      -> until batching.decide says close: receive more (NOTE [adaptive batching])
-      -> Engine: gather (memory copy / DMA) -> forward -> outputs
-      -> answer.py: each requester's rows and response into its slot, then wake it
-      -> accounting.py: counters, histograms, the batch record
-
-Nothing a client sends is trusted (NOTE [slot protocol] in slots.py); each batch runs under one
-catch-all that answers its callers with a typed error and keeps serving.
-"""
+"""What runs in a model process: load, warm up, then the batch loop (README, Architecture, steps 3-6):
+intake.py takes a request off the model's socket, admission.py may refuse it (NOTE [overload]), holding.py
+fills the batch from what is held, in order, until batching.decide closes it (NOTE [adaptive batching]),
+the Engine runs it, answer.py answers and wakes each requester, accounting.py counts. Entry point
+:func:`model_process_main` is module-level so ``spawn`` can pickle it."""
 from __future__ import annotations
 
 import contextlib
@@ -21,6 +10,7 @@ import faulthandler
 import gc
 import logging
 import os
+import resource
 import select
 import signal
 import time
@@ -75,17 +65,6 @@ class ModelProcessSpec:
     standby: bool = False
 
 
-def _raise_fd_limit() -> None:
-    """A mapping per client slot plus torch's own descriptors: the soft descriptor limit (often
-    1024) goes up to the hard one, as far as 2**20."""
-    import resource
-    with contextlib.suppress(ValueError, OSError):
-        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        want = min(hard if hard != resource.RLIM_INFINITY else 2**20, 2**20)
-        if soft != resource.RLIM_INFINITY and soft < want:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
-
-
 def model_process_main(spec: ModelProcessSpec, conn, sock, ctl_fd) -> None:
     """Child entry point. Reports ("ready", info) or ("failed", ...) on ``conn``; ``sock`` is
     the model's request socket, ``ctl_fd`` its control block (shm.InheritedFd)."""
@@ -94,7 +73,13 @@ def model_process_main(spec: ModelProcessSpec, conn, sock, ctl_fd) -> None:
     child_signals(ignore_term=True)  # the parent decides when to stop (NOTE [Ctrl-C and children])
     faulthandler.enable()
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>` dumps stacks
-    _raise_fd_limit()
+    # A mapping per client slot plus torch's own descriptors: the soft descriptor limit (often
+    # 1024) goes up to the hard one, as far as 2**20.
+    with contextlib.suppress(ValueError, OSError):
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        want = min(hard if hard != resource.RLIM_INFINITY else 2**20, 2**20)
+        if soft != resource.RLIM_INFINITY and soft < want:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
     try:
         server = ModelServer(spec, sock, inherited_fd(ctl_fd))
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises
