@@ -16,8 +16,7 @@ logger = logging.getLogger(__name__)
 
 
 class Answers:
-    """Answers requests into their clients' slots. ``release`` frees a request's HELD row
-    (intake); ``count`` adds to a counter (accounting)."""
+    """Answers requests into their clients' slots (``release``: Intake.release; ``count``: Accounting.add)."""
 
     def __init__(self, tag: str, row: int, engine, gather: Callable, release: Callable[[Request], None],
                  count: Callable[[str, int], None], isolate: bool):
@@ -68,8 +67,8 @@ class Answers:
                 r.peer.wake(r.seq)
 
     def failure(self, batch: List[Request], error: BaseException, t_close: float) -> None:
-        """A batch failed: bisect it to find the requests that make the model fail (if isolation
-        is on and there is more than one request), answer the others normally."""
+        """A batch failed: answer the error, with isolation only to the requests that make the model fail
+        (halves of the batch are retried until each request is answered)."""
         fatal = self.engine.cuda and _is_cuda_fatal(error)
         if fatal or len(batch) == 1 or not self.isolate:
             text = error_text(error)
@@ -82,12 +81,6 @@ class Answers:
                 self.fatal = True
             return
         self._count("isolated", 1)
-        culprits = self._bisect(batch, t_close)
-        logger.error("%s forward failed for a batch of %d requests; isolated %d culprit(s)",
-                     self.tag, len(batch), culprits)
-
-    def _bisect(self, batch: List[Request], t_close: float) -> int:
-        """Retry halves of ``batch`` until each request is answered; returns the culprits."""
         culprits, todo = 0, [batch[:len(batch) // 2], batch[len(batch) // 2:]]
         while todo:
             part = todo.pop()
@@ -95,8 +88,7 @@ class Answers:
                 continue
             total = sum(r.rows for r in part)
             try:
-                g = self._gather(part)
-                result = self.engine.run_simple(g)
+                result = self.engine.run_simple(self._gather(part))
                 check_outputs(result.outputs, total)
             except Exception as e:  # noqa: BLE001
                 if len(part) == 1:
@@ -107,7 +99,8 @@ class Answers:
                     todo += [part[:len(part) // 2], part[len(part) // 2:]]
                 continue
             self.batch(part, result, t_close, total)
-        return culprits
+        logger.error("%s forward failed for a batch of %d requests; isolated %d culprit(s)",
+                     self.tag, len(batch), culprits)
 
     def fail(self, requests: Sequence[Request], status: int, text: str) -> None:
         """Answer each request not answered yet with an error ``status`` and wake it."""
@@ -179,8 +172,7 @@ def _one_line(message: str, most: int = 600) -> str:
 
 
 def _is_cuda_fatal(e: BaseException) -> bool:
-    """Errors after which the CUDA context cannot be used again (a device-side assert, an
-    illegal address): the process must be replaced."""
+    """Errors after which the CUDA context is unusable (a device-side assert, an illegal address)."""
     text = safe_str(e)
     return isinstance(e, RuntimeError) and ("device-side assert" in text or "illegal memory access" in text
                                             or "CUDA error: an illegal" in text)
