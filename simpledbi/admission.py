@@ -27,8 +27,7 @@ class Admission:
         self._fail, self._count = fail, count
         self._all, self._floats = words(ctl.all_instances), words(ctl.all_instances, "d")
         self._mine = row * _ROW_WORDS
-        self.deadlines_seen = False
-        self.priorities_seen = False
+        self.deadlines_seen = self.priorities_seen = False
         self.alone = ctl.model_num == 1
         self._published = -1   # the queued count last written (-1: none yet)
         self.in_progress = 0   # rows in batches collected or running, not answered: they go first
@@ -36,8 +35,7 @@ class Admission:
 
     @property
     def refuses_early(self) -> bool:
-        """Callers send deadlines, or the queue is bounded: take requests off the socket while
-        a batch runs, so that the ones refused are refused at once (Holding._await_device)."""
+        """Callers send deadlines, or the queue is bounded: take requests during a batch (NOTE [overload])."""
         return self.deadlines_seen or self.limits.max_queue is not None
 
     def takes_more(self, limit: int) -> bool:
@@ -54,8 +52,7 @@ class Admission:
             self.deadlines_seen and len(self.backlog) < min(self._peer_queues(), default=0) + limit)
 
     def take(self, req: Request) -> bool:
-        """A request arrived: True to keep it (the caller batches it or adds it to the backlog),
-        False when it was refused (already answered)."""
+        """A request arrived: True to keep it (to batch or hold), False if it was refused (answered)."""
         if req.deadline > 0.0:
             self.deadlines_seen = True
             if req.deadline <= req.t_seen:   # its caller timed out already: late, not refused
@@ -114,8 +111,7 @@ class Admission:
         return self._without(batch, expired + doomed)
 
     def _answer_gone(self, gone: List[Request]) -> None:
-        """Requests whose callers stopped waiting: answered, counted as expired (timed out) or
-        withdrawn (cancelled, closed)."""
+        """Answer requests whose callers stopped waiting: expired if timed out, else withdrawn."""
         timed_out = sum(0.0 < r.deadline <= time.monotonic() for r in gone)
         self._count("expired", timed_out)
         self._count("withdrawn", len(gone) - timed_out)

@@ -41,9 +41,8 @@ class _Collecting:
 
 class Holding:
     def _await_device(self, flight) -> None:
-        """While the device finishes ``flight``, take requests off the socket (as far ahead as
-        Admission.takes_more says) when refusals are made early, so one is refused at once, not
-        after this batch (NOTE [overload]). Else the engine waits (synchronize)."""
+        """While the device finishes ``flight``, take requests off the socket when refusals are made early
+        (as far ahead as Admission.takes_more says; NOTE [overload]). Else the engine waits (synchronize)."""
         launched = flight.launched   # (None only with an error: _stage)
         if flight.error is not None or not launched.started or not self.admission.refuses_early:
             return
