@@ -74,8 +74,7 @@ def decide(s: Snapshot, now: float, cost: Optional[Tuple[float, float]], rate: f
         return True, 0.0
     budget = s.oldest + p.wait_time - now
     if p.latency_target is not None and cost is not None:
-        fixed, per_row = cost
-        budget = min(budget, s.oldest + p.latency_target - now - _COST_MARGIN * (fixed + per_row * limit))
+        budget = min(budget, s.oldest + p.latency_target - now - _COST_MARGIN * (cost[0] + cost[1] * limit))
     if budget <= MIN_WAIT:
         return True, 0.0
     if not p.adaptive or s.device_busy:
@@ -102,8 +101,7 @@ def decide(s: Snapshot, now: float, cost: Optional[Tuple[float, float]], rate: f
 
 
 def must_close(rows: int, limit: int, waiting: int, may_send: int) -> bool:
-    """:func:`decide`'s first rule, which needs no clock and no learned cost: close when the
-    batch is full, when rows of its shape are already waiting, or when no client could send."""
+    """:func:`decide`'s first rule, which needs no clock and no learned cost."""
     return rows >= limit or waiting > 0 or may_send <= 0
 
 
