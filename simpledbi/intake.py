@@ -89,8 +89,13 @@ class Intake:
                     if not select.select(self._readable, (), (), timeout)[0]:
                         return None
                     data, anc, _, _ = self.sock.recvmsg(MAX_DATAGRAM + 1, _ANC, socket.MSG_DONTWAIT)
-                else:
-                    self._set_timeout(timeout)
+                else:   # a kernel timeout on the blocking receive (_PRECISE_BELOW: why not select())
+                    seconds = max(timeout, 1e-6)
+                    if abs(seconds - self._rcvtimeo) > 2e-6:
+                        sec = int(seconds)
+                        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO,
+                                             struct.pack("ll", sec, int((seconds - sec) * 1e6)))
+                        self._rcvtimeo = seconds
                     data, anc, _, _ = self.sock.recvmsg(MAX_DATAGRAM + 1, _ANC)
             except BlockingIOError:
                 if timeout <= 0 or timeout >= _PRECISE_BELOW or not precise:
@@ -105,15 +110,6 @@ class Intake:
                 timeout = deadline - time.monotonic()
                 if timeout <= 1e-6:
                     return None
-
-    def _set_timeout(self, seconds: float) -> None:
-        """A kernel timeout on the blocking receive (_PRECISE_BELOW: why not select())."""
-        seconds = max(seconds, 1e-6)
-        if abs(seconds - self._rcvtimeo) > 2e-6:
-            sec = int(seconds)
-            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO,
-                                 struct.pack("ll", sec, int((seconds - sec) * 1e6)))
-            self._rcvtimeo = seconds
 
     def _request(self, data: bytes, anc):
         if len(anc) == 1 and len(anc[0][2]) >= _CREDS.size:   # the common case: credentials only
@@ -279,8 +275,7 @@ class Intake:
 
 # ---------------------------------------------------------------- the runtime's side
 def wake_datagram() -> bytes:
-    """What the runtime sends a model's socket to wake one model process (WAKE_MAGIC; honoured
-    only from the runtime's own pid)."""
+    """What the runtime sends to wake one model process (WAKE_MAGIC: honoured only from its pid)."""
     return REQ_PREFIX.pack(WAKE_MAGIC, -1, 0, 0, 0, 0.0, 0.0, 0, 0)
 
 
@@ -324,8 +319,7 @@ def answer_queued(sock: socket.socket, status: int, text: str, most: int = 10000
 
 
 def answer_held(ctl: ControlBlock, row: int, pid: int, status: int, text: str) -> int:
-    """Answer the requests a dead model process (``pid``, control-block row ``row``) held and
-    had not answered, from its HELD rows; returns how many."""
+    """Answer what a dead model process (``pid``, row ``row``) held, from its HELD rows; returns how many."""
     n = 0
     for fd_no, token, seq, client in ctl.held[row].tolist():   # (a copy: HELD's fields, in order)
         if client <= 0:
