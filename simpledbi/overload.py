@@ -20,11 +20,10 @@ for each request it takes from the socket, a model process decides:
   ModelServer._expect_returns): else a busier client's second turn would take its place every other batch.
 
 A request still in the kernel's queue gets no turn and no refusal, but what one process takes off the socket
-its peers cannot: how far ahead a process takes is Admission.takes_more's (Intake.hand_back gives an idle
-peer what a busy one holds beyond its next batch). With deadlines, or ``max_queue`` set, it keeps taking
-while the device runs a batch (a CPU model's forward pass then runs on a helper thread) unless a peer is
-idle: with one model process most refusals come within a fraction of a millisecond of the call (with
-several, what waits in the socket's queue is refused only once taken: README, Known limits).
+its peers cannot: how far ahead it takes, and why, is Admission.takes_more's. With deadlines, or ``max_queue``
+set, it keeps taking while the device runs a batch (a CPU model's forward pass then runs on a helper thread)
+unless a peer is idle: with one model process most refusals come within a fraction of a millisecond of the
+call (with several, what waits in the socket's queue is refused only once taken: README, Known limits).
 
 **The client refuses first when it can.** Each model process publishes in its instance row how many requests
 wait there, their lowest priority and how long a newcomer at default priority would wait (``newcomer_wait``).
@@ -107,8 +106,7 @@ class ServiceRate:
 
     @property
     def latency_bound(self) -> float:
-        """A batch's latency, with room for its usual spread: what a deadline is checked against
-        at batch close (a request that would finish after its deadline does not start)."""
+        """A batch's latency, with room for its usual spread: what deadlines are checked against at close."""
         return self.latency + 2.0 * self.latency_dev
 
     def batch_done(self, rows: int, t_close: float, t_end: float, backlogged: bool) -> None:
@@ -223,7 +221,7 @@ class Backlog:
         return self._heap[0][3] if self._heap else None
 
     def pop(self):
-        """Take the request that goes next (it leaves the queue; the virtual time moves on)."""
+        """Take the request that goes next (the virtual time moves on)."""
         return self.pop_entry()[3]
 
     def pop_entry(self) -> tuple:
