@@ -67,8 +67,7 @@ class Holding:
         try:
             intake, watch = self.intake, [self.intake.sock, self._done_r]
             while True:   # until the helper's byte: exactly one per job, always read
-                # (not while a peer is idle: it takes newcomers at once, and need not refuse them;
-                # nor beyond what Admission.takes_more says: what I take, my peers cannot)
+                # (not while a peer is idle: it takes newcomers at once, unrefused; nor beyond takes_more)
                 take = not intake.full and not self._peer_free() and (
                     self.backlog.rows < self.max_batch or self.admission.takes_more(self.max_batch))
                 ready = select.select(watch if take else watch[1:], (), (), self.poll)[0]

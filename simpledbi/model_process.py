@@ -272,9 +272,8 @@ class ModelServer(Holding):
         """Nothing held or running: sleep on the socket for up to a poll interval (False: exit)."""
         self._inst_words[_I_FREE] = 1
         self.admission.room = self.max_batch   # what comes now starts a batch
-        # ... and clients must know it: a backlog published earlier would have them refuse
-        # every call (ControlBlock.backlog) while this process sleeps a poll interval with
-        # nothing to do (measured: 8 threads retrying at once got 8 answers/s of a 40/s model)
+        # ... and clients must know it: an old backlog would make them refuse all calls (ControlBlock.backlog)
+        # while I sleep idle (measured: 8 threads retrying at once got 8 answers/s of a 40/s model)
         self.admission.publish()
         try:
             got = None if self.intake.full else self.intake.next(self.poll)
@@ -354,8 +353,7 @@ class ModelServer(Holding):
             peer.registered = 0
 
     def _took(self, req: Request) -> bool:
-        """A request arrived: learn from it (arrival rate, the client's turnaround); False when
-        it is refused (overload.py: answered already)."""
+        """A request arrived: learn from it (arrival rate, turnaround); False if refused (answered)."""
         self._open[id(req)] = req
         peer = req.peer
         if req.seq == peer.answered_seq + 1:  # its last request was answered by me: a sample
