@@ -170,9 +170,8 @@ class GraphsAndSizes:
             self.graph_total = sum(len(g) for g in self._graphs.values())
 
     def _capture(self, sig, n: int) -> "_Graph":
-        """Capture the forward pass of ``n`` rows of ``sig`` (static zero inputs). Everything runs
-        on a stream of its own, and the capture is thread-local: the serving thread may keep
-        launching work meanwhile (NOTE [graphs captured off the serving thread])."""
+        """Capture the forward pass of ``n`` rows of ``sig`` (static zero inputs), on a stream of its own and
+        thread-local: the serving thread goes on launching (NOTE [graphs captured off the serving thread])."""
         if self._graph_pool is None:
             self._graph_pool = torch.cuda.graph_pool_handle()  # one pool: graphs replay in turn
         side = torch.cuda.Stream(self.device)
