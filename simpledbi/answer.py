@@ -25,14 +25,12 @@ class Answers:
         self.fatal = False   # the CUDA context is unusable: the process must be replaced
 
     def batch(self, batch: List[Request], result, t_close: float, total: int, before_wake=None) -> None:
-        """Write every answer first, then wake the callers: a woken caller often takes this CPU
-        at once, and should not delay the answers of the rest of its batch. ``before_wake`` runs
-        in between: counters a caller reads after its answer already include it.
-
-        The wake-ups are made here, the GIL held (a futex wake of a sleeping process: 5.4 us on an
-        H200 host). A thread of their own, with the GIL released in each syscall, served 11% less
-        on the fast command (run 40): each wake then waited for the serving thread's next release
-        of the GIL, and a batch's last caller woke ~0.5 ms after its answer was written."""
+        """Write every answer first, then wake the callers: a woken caller often takes this CPU at once, and
+        should not delay the answers of the rest of its batch. ``before_wake`` runs in between: counters a
+        caller reads after its answer already include it. The wake-ups are made here, the GIL held (a futex
+        wake of a sleeping process: 5.4 us on an H200 host). A thread of their own, with the GIL released
+        in each syscall, served 11% less on the fast command (run 40): each wake then waited for the serving
+        thread's next release of the GIL: a batch's last caller woke ~0.5 ms after its answer was written."""
         structure = result.structure
         code, names, row, release = structure.code, structure.names, self.row, self._release
         # each output's first row and bytes per row: a request's rows are one memmove each
