@@ -80,9 +80,8 @@ class Admission:
         return True
 
     def _full(self) -> bool:
-        """``max_queue`` reached by the requests waiting across the model's serving processes: mine
-        beyond what the batch being collected has room for (a request it takes goes at once, whatever
-        waits elsewhere), the others' as they last published."""
+        """``max_queue`` reached across the model's serving processes: mine beyond the room of the batch being
+        collected (what it takes goes at once, whatever waits elsewhere), the others' as last published."""
         return self.limits.max_queue is not None and len(self.backlog) >= self.room and \
             queue_full(self.limits, len(self.backlog) - self.room + sum(self._peer_queues()))
 

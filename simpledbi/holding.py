@@ -196,10 +196,9 @@ class Holding:
             backlog.restore(entry)
 
     def _expect_returns(self, batch: List[Request]) -> None:
-        """Some client has several requests waiting: the next batch holds the turn of the clients with
-        one call in this one and none waiting, which will likely send again soon (NOTE [overload], Order).
-        CPU models only: on a GPU the next batch is collected while the device runs this one, and holding
-        it halved the throughput of 256 callers (the device waited)."""
+        """Some client has several requests waiting: the next batch holds the turn of clients with one call
+        in this one and none waiting (NOTE [overload], Order). CPU models only: on a GPU the next batch is
+        collected while this one runs; holding it halved 256 callers' throughput (the device waited)."""
         counts = Counter(r.pid for r in batch)
         waiting = self.backlog.clients()
         self._returning = {pid for pid, n in counts.items() if n == 1 and pid not in waiting}

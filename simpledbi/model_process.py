@@ -120,8 +120,7 @@ class _InFlight:
 
 
 class ModelServer(Holding):
-    """One model process: its engine, its intake (the socket and the slots it maps), the batch
-    being collected and the one on the device."""
+    """One model process: its engine, its intake, the batch being collected and the one on the device."""
 
     def __init__(self, spec: ModelProcessSpec, sock, ctl_fd: int):
         from .engine import Engine, Gather, resolve_device  # torch is imported only in model processes
