@@ -30,9 +30,8 @@ class BadModelOutput(Exception):
 
 @dataclass
 class Gather:
-    """What one batch reads: ``sources[k][r] = (address, offset, nbytes, dma)`` is request r's
-    rows of input k in its client's slot, mapped at ``address`` (``dma``: the same address when
-    the slot is registered for DMA, else 0)."""
+    """What one batch reads: ``sources[k][r] = (address, offset, nbytes, dma)``, request r's rows of input k
+    in its client's slot mapped at ``address`` (``dma``: that address if registered for DMA, else 0)."""
 
     rows: int
     items: Tuple[Tuple[int, ...], ...]
