@@ -210,13 +210,12 @@ class ModelServer(Holding):
 
     def serve(self) -> None:
         """The batch loop (under torch.inference_mode). NOTE [pipelining]: on CUDA, batch k+1 is collected
-        while batch k runs on the device, and closes once k should end in about the time staging and
-        launching k+1 take (learned), so the device goes on without a gap (fast command, H200: 0.71x plain
-        PyTorch when it closed only once the device was idle, 0.91x so). Its host->device copies are
-        enqueued on a separate stream at once. Then k is answered and k+1's forward launched, or -- when
-        launching is cheap next to the device time (CUDA graphs, big batches) -- k+1's forward goes first
-        so the device never waits. At most two batches are unfinished (two buffer sets); on the CPU every
-        batch is computed and answered in turn."""
+        while batch k runs on the device, and closes once k should end in about the time staging and launching
+        k+1 take (learned), so the device goes on without a gap (fast command, H200: 0.71x plain PyTorch when
+        it closed only once the device was idle, 0.91x so). Its host->device copies go on a separate stream at
+        once. Then k is answered and k+1's forward launched, or -- when launching is cheap next to the device
+        time (CUDA graphs, big batches) -- k+1's forward goes first so the device never waits. At most two
+        batches are unfinished (two buffer sets); on the CPU each batch is computed and answered in turn."""
         inflight: Optional[_InFlight] = None
         hdr_words, inst_words = self._hdr_words, self._inst_words
         while not self.answers.fatal:
