@@ -134,11 +134,9 @@ class Intake:
                     return self._checked(inner, client, uid, fd)
                 return None
             return WAKE if magic == WAKE_MAGIC and pid == self.supervisor_pid else None
-        peer = self.peers.get((pid, token))
+        peer = self.peers.get((pid, token)) or self._open(pid, fd_no, token, fd)   # (a Peer is always true)
         if peer is None:
-            peer = self._open(pid, fd_no, token, fd)
-            if peer is None:
-                return None
+            return None
         if refused > 0:   # calls its client refused itself since (NOTE [overload]): counted here
             self.count("shed_deadline", refused & 0xFFFF)
             self.count("shed_queue", refused >> 16)
