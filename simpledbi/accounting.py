@@ -1,6 +1,5 @@
-"""Accounting in a model process: the counters, histograms and per-batch records it keeps in its
-rows of the control block (read by ``stats()``, ``simpledbi status`` and Prometheus, stats.py and
-status.py). Everything here is bookkeeping: it never fails a batch (the caller logs once)."""
+"""Accounting: the counters, histograms and per-batch records a model process keeps in its rows of the control
+block (read by ``stats()``, ``simpledbi status`` and Prometheus). Bookkeeping: it never fails a batch."""
 from __future__ import annotations
 
 import struct
