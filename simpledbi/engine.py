@@ -4,6 +4,7 @@ is read through its mapping of a sealed memfd, which cannot SIGBUS. Stage times:
 device (no extra synchronisation), ``perf_counter`` on the host."""
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import inspect
 import logging
@@ -101,10 +102,8 @@ def load_model(cfg: ModelConfig, device: torch.device):
         raise TypeError(f"model {cfg.name!r}: expected an nn.Module or callable, got "
                         f"{type(model).__name__}")
     if isinstance(model, torch.nn.Module):
-        try:
-            model.eval()
-        except (NotImplementedError, RuntimeError):
-            pass  # torch.export modules refuse .eval(); they were exported in eval mode
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            model.eval()  # (torch.export modules refuse .eval(); they were exported in eval mode)
         model.to(device)
         if cfg.precision != "float32":
             model.to(getattr(torch, cfg.precision))
