@@ -32,8 +32,7 @@ least of those waits, or one that finds ``max_queue`` waiting, none below its pr
 client, never sent (ControlBlock.backlog): else a request left in the kernel's queue, or its client blocked
 sending to a full one, would learn its fate only once a process took it. Its handle's next datagram carries
 the count, added to ``rejected`` (stats, status, Prometheus). A call of higher priority, or one a process
-could start in its next batch, is always sent.
-"""
+could start in its next batch, is always sent."""
 from __future__ import annotations
 
 from collections import defaultdict
