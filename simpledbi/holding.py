@@ -140,7 +140,15 @@ class Holding:
                     self._take(batch, c, got)   # nothing waits before it: the common case
                     direct.append(got)
         if direct and backlog and backlog.peek().priority > min(r.priority for r in direct):
-            self._put_back(batch, c, direct)   # a higher priority came after them
+            # a higher priority came after them: back to the backlog, ahead of what came after them
+            for r in reversed(direct):
+                batch.remove(r)
+                c.rows -= r.rows
+                self.admission.in_progress -= r.rows
+                backlog.add_first(r)
+            if not batch:
+                c.key, c.kind, c.limit = None, (), self.max_batch
+                c.oldest, c.newest = float("inf"), 0.0
         if backlog and not c.holding:
             self._from_backlog(batch, c)
         self.admission.publish()
@@ -161,18 +169,6 @@ class Holding:
                 break
         for entry in kept:
             backlog.restore(entry)
-
-    def _put_back(self, batch: List[Request], c: _Collecting, taken: List[Request]) -> None:
-        """Requests taken into ``batch`` by arrival go back to the backlog, ahead of what came
-        after them (a higher priority arrived behind them)."""
-        for r in reversed(taken):
-            batch.remove(r)
-            c.rows -= r.rows
-            self.admission.in_progress -= r.rows
-            self.backlog.add_first(r)
-        if not batch:
-            c.key, c.kind, c.limit = None, (), self.max_batch
-            c.oldest, c.newest = float("inf"), 0.0
 
     def _from_backlog(self, batch: List[Request], c: _Collecting) -> None:
         """Fill ``batch`` from the backlog in its order while it has room; requests of another kind keep
