@@ -33,12 +33,11 @@ class ControlServer:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.bind(self.path)
         self.sock.listen(8)
-        self._closed = False
         self.thread = threading.Thread(target=self._serve, name="simpledbi-control", daemon=True)
         self.thread.start()
 
     def _serve(self) -> None:
-        while not self._closed:
+        while True:
             try:
                 conn, _ = self.sock.accept()
             except OSError:
@@ -85,7 +84,6 @@ class ControlServer:
         return {"ok": False, "error": f"unknown op {op!r}; expected 'reload'"}
 
     def close(self) -> None:
-        self._closed = True
         with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
         self.sock.close()
