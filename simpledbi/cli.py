@@ -1,8 +1,7 @@
-"""The ``simpledbi`` command (also ``python -m simpledbi``): ``serve``, ``status``, ``reload``
-(README: "Any model, any web framework"; ``--help`` lists the flags). ``serve --config`` reads a
-TOML file holding what the flags hold (the flags win): ``[options]`` (RuntimeOptions fields),
-``[[models]]`` (ModelConfig fields; ``factory = "module:function"`` instead of ``path``), as in
-``examples/fastapi_app/serve.toml``."""
+"""The ``simpledbi`` command (also ``python -m simpledbi``): ``serve``, ``status``, ``reload`` (README: "Any
+model, any web framework"; ``--help`` lists the flags). ``serve --config`` reads a TOML file holding what the
+flags hold (the flags win): ``[options]`` (RuntimeOptions fields), ``[[models]]`` (ModelConfig fields;
+``factory = "module:function"`` instead of ``path``), as in ``examples/fastapi_app/serve.toml``."""
 from __future__ import annotations
 
 import argparse
@@ -143,7 +142,6 @@ def load_serve_config(args: argparse.Namespace) -> ServeConfig:
     if not isinstance(entries, list) or not all(isinstance(m, dict) for m in entries):
         raise ValueError(f"{args.config}: models: expected [[models]] tables (name = ..., path = ... or "
                          f"factory = ...), got {entries!r}")
-    entries = [dict(m) for m in entries]
     for spec in args.model:
         model_name, sep, where = spec.partition("=")
         if not sep or not where:
@@ -159,9 +157,8 @@ def load_serve_config(args: argparse.Namespace) -> ServeConfig:
     options = doc.get("options", {})
     if not isinstance(options, dict):
         raise ValueError(f"{args.config}: options: expected an [options] table, got {options!r}")
-    options = dict(options)
     if args.mps:
-        options["mps"] = args.mps
+        options = {**options, "mps": args.mps}
     try:
         runtime_options = RuntimeOptions(**options)
     except TypeError as e:

@@ -443,8 +443,7 @@ def _check_startable(models: List[ModelConfig], start_method: str) -> None:
     factory the model processes could not import by name (a notebook's, a lambda) is replaced in
     ``models`` -- the runtime's own list -- by one sent by value (sources.ship)."""
     sources.forget_unreadable_main_file(start_method)   # NOTE [a __main__ that is no file]
-    unguarded = sources.unguarded_start(start_method)
-    if unguarded is not None:
+    if (unguarded := sources.unguarded_start(start_method)) is not None:
         raise RuntimeError(f"{os.path.basename(unguarded[0])}, line {unguarded[1]}, starts a simpledbi "
                            f"runtime outside `if __name__ == \"__main__\":` -- model processes are started "
                            f"with {start_method!r} and re-import the main script, so each would run that "

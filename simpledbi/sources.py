@@ -1,13 +1,12 @@
 """Where a model comes from -- a file or a factory -- and how a factory reaches a model process.
 
 Model processes are spawned: a factory travels to them pickled *by name* (the child imports
-``module.qualname``), which fails for a lambda or a nested function, and for one defined in a
-``__main__`` that is no file a child can re-run (a notebook, ``python -c``, ``python - < x.py``).
-``ship`` sends those *by value* instead: ``ByValue`` carries ``cloudpickle.dumps(factory)``
-(code, closure and what it uses from ``__main__``, classes included), and the model process
-calls ``pickle.loads(payload)()``. cloudpickle is the optional ``simpledbi[notebook]`` extra
-(what Ray, Dask and joblib ship functions with); without it such a factory is refused before
-anything starts, saying what to do."""
+``module.qualname``), which fails for a lambda or a nested function, and for one defined in a ``__main__``
+that is no file a child can re-run (a notebook, ``python -c``, ``python - < x.py``). ``ship`` sends those *by
+value* instead: ``ByValue`` carries ``cloudpickle.dumps(factory)`` (code, closure and what it uses from
+``__main__``, classes included), and the model process calls ``pickle.loads(payload)()``. cloudpickle is the
+optional ``simpledbi[notebook]`` extra (what Ray, Dask and joblib ship functions with); without it such a
+factory is refused before anything starts, saying what to do."""
 from __future__ import annotations
 
 import ast
@@ -178,10 +177,8 @@ def forget_unreadable_main_file(start_method: str) -> None:
     re-run that "file" before anything else: ``FileNotFoundError: '<stdin>'`` in each one. With no
     ``__file__`` at all (as under ``python -c``), children skip re-running ``__main__``; what they
     need from it comes by value (``ship``). So a ``__file__`` that names no file is removed."""
-    if start_method == "fork":
-        return
     main = sys.modules.get("__main__")
-    if main is None or getattr(getattr(main, "__spec__", None), "name", None):
+    if start_method == "fork" or main is None or getattr(getattr(main, "__spec__", None), "name", None):
         return
     if isinstance(getattr(main, "__file__", None), str) and _main_file(main) is None:
         del main.__file__

@@ -168,8 +168,7 @@ def _model_info(name: str, ctl: ControlBlock) -> ModelInfo:
             alive=pid_alive(pid), restarts=int(row["restarts"]), cuda_graphs=int(row["graphs"]),
             requests=int(c["requests"][i]), batches=int(c["batches"][i]), started=float(row["t_start"])))
     serving = inst[list(active)]
-    hist = ctl.hist.sum(axis=0)
-    bh = ctl.batch_hist.sum(axis=0)
+    hist, bh = ctl.hist.sum(axis=0), ctl.batch_hist.sum(axis=0)
     n = summarize(ctl, since=time.monotonic() - 60.0)   # the counters, and the last minute's batches
     return ModelInfo(
         name=name, state=STATE_NAMES.get(ctl.state, str(ctl.state)), message=ctl.message(),
@@ -199,10 +198,9 @@ def format_status(info: RuntimeInfo) -> str:
     lines = [f"runtime {info.name or info.namespace}  pid {info.pid}  "
              f"{'alive' if info.alive else 'DEAD'}  {'ready' if info.ready else 'NOT READY'}"]
     for m in info.models:
-        lines.append("")
-        lines.append(f"model {m.name}: {m.state}{' (' + m.message + ')' if m.message else ''}  "
+        lines += ["", f"model {m.name}: {m.state}{' (' + m.message + ')' if m.message else ''}  "
                      f"max_batch_size {m.max_batch_size}  clients {m.attached_clients}/"
-                     f"{m.max_clients}  queued {m.queued}")
+                     f"{m.max_clients}  queued {m.queued}"]
         lines.append(f"  requests {m.requests}  batches {m.batches}  mean batch "
                      f"{m.mean_batch_size:.2f}  errors {m.errors}  bad requests {m.bad_requests}  "
                      f"over target {m.over_target}  restarts {m.restarts}")
