@@ -41,9 +41,8 @@ class RuntimeStopped(SimpleDBIError):
 
 
 class RuntimeUnavailable(RuntimeStopped, TimeoutError):
-    """A call's ``timeout`` (or a handle's ``connect_timeout``) ran out while its runtime, attached
-    by name, was down, restarting or not started yet: a :class:`RuntimeStopped` and a
-    ``TimeoutError`` alike."""
+    """A call's ``timeout`` (or a handle's ``connect_timeout``) ran out while its runtime, attached by name,
+    was down, restarting or not started yet: a :class:`RuntimeStopped` and a ``TimeoutError`` alike."""
 
 
 class WorkerError(SimpleDBIError):

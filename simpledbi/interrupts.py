@@ -58,13 +58,12 @@ def children_deaf_to_ctrl_c():
 
 
 def child_signals(ignore_term: bool = False) -> None:
-    """A child's first step: ignore SIGINT, then unblock it (a pending one is dropped); SIGTERM
-    back to its default -- a forked child inherits the main process's Python handler (Run's
-    raises SystemExit wherever the child happens to be, with a traceback) -- or, for a model
-    process (``ignore_term``), ignored: a SIGTERM to the whole process group (systemd's default
-    KillMode, ``timeout``, ``kill -- -PGID``) is the main process's to act on, and `serve` drains
-    at SIGTERM, which needs its model processes alive. The runtime stops them through the model's
-    state, and kills one that does not stop."""
+    """A child's first step: ignore SIGINT, then unblock it (a pending one is dropped); SIGTERM back to its
+    default -- a forked child inherits the main process's Python handler (Run's raises SystemExit wherever the
+    child happens to be, with a traceback) -- or, for a model process (``ignore_term``), ignored: a SIGTERM to
+    the whole process group (systemd's default KillMode, ``timeout``, ``kill -- -PGID``) is the main process's
+    to act on, and `serve` drains at SIGTERM, which needs its model processes alive. The runtime stops them
+    through the model's state, and kills one that does not stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _ignored_here(os.getpid()) if ignore_term else signal.SIG_DFL)
     if ignore_term:   # system calls interrupted by it resume where the kernel can (SA_RESTART)

@@ -1,12 +1,11 @@
 """Model processes' log records, handled by the parent's logging configuration.
 
-A spawned model process starts with an unconfigured ``logging``, so its lines (ours, and the
-model's libraries') would vanish or bypass the handlers the user set up in the main process. Each
-model process gets the write end of a pipe of its own: a handler on its root logger sends every
-record there, tagged ``<model|instance>``, and a relay thread hands them to the parent's logger of
-the same name, which filters and formats them as configured. One pipe per process, not a
-``multiprocessing.Queue`` (``QueueHandler``): a Queue's writers share one lock, and a model process
-killed while holding it would silence every other one."""
+A spawned model process starts with an unconfigured ``logging``, so its lines (ours, and the model's
+libraries') would vanish or bypass the handlers the user set up in the main process. Each model process gets
+the write end of a pipe of its own: a handler on its root logger sends every record there, tagged
+``<model|instance>``, and a relay thread hands them to the parent's logger of the same name, which filters and
+formats them as configured. One pipe per process, not a ``multiprocessing.Queue`` (``QueueHandler``): a
+Queue's writers share one lock, and a model process killed while holding it would silence every other one."""
 from __future__ import annotations
 
 import logging

@@ -23,15 +23,14 @@ first, skipping one that fails the checks (with ``$SIMPLEDBI_DIR`` set, it alone
 the runtime's choice instead would let another user who deletes their squatting directory after
 a runtime fell back to the home directory steer every later client away from that runtime.
 
-Why so. /dev/shm is world-writable: another user can create any fixed name there first (as the
-old ``/dev/shm/sdbi_rt_<name>`` was, or ``sdbi_u<uid>`` is) and keep a runtime from starting. In a
-directory only we can write, nobody else can list, open, create, replace or block anything; what
-is left to defend is its own name, claimed with ``mkdir`` (the sticky bit keeps others from
-renaming or removing it) and never removed (it could be taken). Someone who took it first is not
-fought: nobody else can create anything in our home. Not ``$XDG_RUNTIME_DIR``: processes of one
-user disagree about it (unset under sudo, cron, ``docker exec``, ``User=``), and
-``/run/user/<uid>`` goes at the last logout while a nohup'ed runtime runs on. The fallback also
-names the host: a home shared over NFS serves several, and a pid means something only there.
+Why so. /dev/shm is world-writable: another user can create any fixed name there first (as the old
+``/dev/shm/sdbi_rt_<name>`` was, or ``sdbi_u<uid>`` is) and keep a runtime from starting. In a directory only
+we can write, nobody else can list, open, create, replace or block anything; what is left to defend is its own
+name, claimed with ``mkdir`` (the sticky bit keeps others from renaming or removing it) and never removed (it
+could be taken). Someone who took it first is not fought: nobody else can create anything in our home. Not
+``$XDG_RUNTIME_DIR``: processes of one user disagree about it (unset under sudo, cron, ``docker exec``,
+``User=``), and ``/run/user/<uid>`` goes at the last logout while a nohup'ed runtime runs on. The fallback
+also names the host: a home shared over NFS serves several, and a pid means something only there.
 
 A directory counts (``_why_not_private``) when it is ours alone, in a parent that others, if they
 can write it, cannot rename it out of (sticky); what we create is ``fchmod``-ed to 0700 after

@@ -1,7 +1,6 @@
-"""Supervision of a runtime's model processes: deaths seen within milliseconds (a thread on
-their sentinels), what a dead process held answered at once (``ModelProcessDied``), restarts
-with back-off, and after ``ModelConfig.max_restarts`` failures within ``restart_window`` seconds
-the model marked broken. A part of :class:`simpledbi.runtime.Runtime` (its state)."""
+"""Supervision of a runtime's model processes (README, Liveness): deaths seen within milliseconds,
+what a dead process held answered at once (``ModelProcessDied``), restarts with back-off, a model that
+fails too often (``ModelConfig.max_restarts``) marked broken. A part of :class:`simpledbi.runtime.Runtime`."""
 from __future__ import annotations
 
 import contextlib
@@ -24,8 +23,7 @@ class _ModelProc:
 
     def __init__(self, cfg: ModelConfig, instance: int, row: int, proc, conn):
         self.cfg, self.instance, self.row, self.proc, self.conn = cfg, instance, row, proc, conn
-        self.loading = True
-        self.exit_handled = False
+        self.loading, self.exit_handled = True, False
         self.retiring = False    # replaced by a rolling reload: its exit is expected
 
     def describe(self) -> str:

@@ -1,6 +1,5 @@
 """The workers of ``Run``: started, watched, their results and failures collected. A part of
-:class:`simpledbi.runtime.Runtime` (its state), in a module of its own; what runs in a worker is
-worker.py."""
+:class:`simpledbi.runtime.Runtime` (its state), in a module of its own; what runs in a worker is worker.py."""
 from __future__ import annotations
 
 from multiprocessing.connection import wait
