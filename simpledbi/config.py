@@ -59,7 +59,8 @@ class ModelConfig:
     picklable callable, called once in each model process, returning an ``nn.Module`` or any callable
     taking tensors). A request is batched with others of the same item shape; a batch closes at
     ``max_batch_size`` rows, at once when no attached client could send another request, and otherwise
-    when waiting longer would not pay (NOTE [adaptive batching]): ``wait_time`` only bounds that wait."""
+    when waiting longer would not pay (NOTE [adaptive batching]): ``wait_time`` only bounds that wait.
+    Every field is described in README, ``ModelConfig``; the comments below say what it does not."""
 
     name: str
     path: Optional[str] = None
@@ -68,56 +69,36 @@ class ModelConfig:
     model_num: int = 1
     #: Upper bound, in seconds (at most 1), on how long a request waits for others to join its batch.
     wait_time: float = 0.003
-    #: Seconds: keep p99 latency (publish to answer) under this where load allows, by capping
-    #: waits and batch sizes; answers later than it are counted in stats()["over_target"].
+    #: Seconds of p99 latency (publish to answer) to keep under where load allows.
     latency_target: Optional[float] = None
-    #: "adaptive" (default): wait only as long as the learned costs say it pays; "fixed": wait up
-    #: to wait_time whenever an attached client may still send (the policy of simpledbi 0.1).
     batching: str = "adaptive"
     device: Union[str, Sequence[str]] = "auto"
-    #: Item shapes (without the batch dimension) to warm the model up with at load time (and capture CUDA
-    #: graphs for). One tuple per input; positional requests with another input count are rejected.
-    #: Published to clients: ``SharedModel(name)`` then needs no ``max_shape``.
+    #: Warm-up item shapes, one per input; with ``cuda_graphs`` True or sizes, a failed capture at load
+    #: is an error.
     input_shapes: Optional[Sequence[Sequence[int]]] = None
-    #: numpy dtype names of the inputs for the warm-up; float32 when omitted. When given, requests
-    #: of other dtypes are rejected with "expected <dtype>", by clients before they send.
-    input_dtypes: Optional[Sequence[str]] = None
-    #: The names clients may pass inputs by (``forward(input_ids=x)``); the model is then called with
-    #: those keywords. Default: the parameters of the model's ``forward`` (its signature, or its
-    #: TorchScript schema), at most 48. When given with ``input_shapes``, one name per shape.
+    input_dtypes: Optional[Sequence[str]] = None   # float32 for the warm-up when omitted
     input_names: Optional[Sequence[str]] = None
-    #: Cast parameters and floating inputs to this precision on the device.
     precision: str = "float32"
-    #: torch intra-op threads per model process (CPU); None: cores / CPU model processes.
     num_threads: Optional[int] = None
-    #: How a batch reaches the device: "host" = np.concatenate into a pinned staging buffer and one copy;
-    #: "device" = one DMA per request from registered shared memory; "auto": device on CUDA.
+    #: "host" = np.concatenate into a pinned staging buffer and one copy; "device" = one DMA per
+    #: request from registered shared memory; "auto": device on CUDA.
     gather: str = "auto"
-    #: CUDA graphs: "auto" (default: on CUDA, batches of up to 8 rows, captured per item shape that
-    #: arrives, off the serving thread; eager meanwhile, and for good if capture fails), True (all sizes),
-    #: False, or the batch sizes. With ``input_shapes`` they are captured at load time (True / sizes:
-    #: failure is an error). A batch is padded up to the next captured size: like batching, this assumes
-    #: independent rows (eval-mode networks).
+    #: "auto", True (all sizes), False, or the batch sizes. A batch is padded up to the next captured
+    #: size: like batching, this assumes independent rows (eval-mode networks).
     cuda_graphs: Union[bool, str, Sequence[int]] = "auto"
-    #: Most clients (SharedModel threads) that may attach at once.
+    #: Most client slots (a SharedModel holds one per call in flight) a model process maps at once.
     max_clients: int = 512
     #: Seconds a model process may take to load and warm up before Run gives up.
     load_timeout: float = 300.0
-    #: When a forward pass raises for a batch of several requests, retry halves of it until the requests
-    #: that make the model fail are found: only they get ModelError.
     isolate_errors: bool = True
-    #: A dead model process is restarted after ``restart_backoff`` seconds, doubling per failure (at most
-    #: 10 s); after more than ``max_restarts`` failures within ``restart_window`` seconds the model is
-    #: marked broken and every caller gets ModelProcessDied.
+    #: Restarts back off from ``restart_backoff`` seconds, doubling per failure (at most 10 s); more
+    #: than ``max_restarts`` failures within ``restart_window`` seconds mark the model broken.
     max_restarts: int = 5
     restart_window: float = 60.0
     restart_backoff: float = 0.1
-    #: Past capacity (NOTE [overload]): at most this many requests wait across the model's processes; a
-    #: newcomer beyond it gets ``Overloaded`` at once (unless it outranks a waiting one). 0: nothing waits
-    #: (a batch or a refusal). None: no bound but the deadlines.
+    #: README "Overload": at most this many requests wait across the model's processes; 0: nothing waits.
     max_queue: Optional[int] = None
-    #: Seconds: the timeout of a call that gives none. A request that cannot be answered within
-    #: its timeout, given the queue ahead and the learned cost, is refused at once (Overloaded).
+    #: Seconds: the timeout of a call that gives none (README "Overload").
     default_timeout: Optional[float] = None
 
     def __post_init__(self):
@@ -247,8 +228,7 @@ class RuntimeOptions:
 
     poll_interval: float = 0.5
     join_timeout: float = 10.0
-    #: CUDA MPS: "auto" starts a private MPS control daemon when two or more model processes share a
-    #: CUDA device, "on" always (an error if it cannot be started), "off" never (mps.py).
+    #: CUDA MPS: "auto" (a private daemon when two or more model processes share a device), "on", "off".
     mps: str = "auto"
 
     def __post_init__(self):

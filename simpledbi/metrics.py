@@ -1,10 +1,9 @@
 """Prometheus metrics of a running runtime (optional extra: ``pip install simpledbi[metrics]``).
 
-A ``prometheus_client`` *custom collector*: each scrape reads the shared-memory counters and
-histograms that the model processes keep anyway (status.py), so there is no per-request cost,
-no multiprocess-mode directory and nothing to clean up. Names follow Triton's metrics (a
-dashboard built for one reads the other with a rename); ``_FAMILIES`` below lists them, with their
-labels: ``reason`` is model_error | bad_request for failures, deadline | queue for refusals."""
+A ``prometheus_client`` *custom collector* reads, per scrape, the counters and histograms the model
+processes keep anyway (status.py): no per-request cost, no multiprocess-mode directory, nothing to clean
+up. Names follow Triton's (a dashboard built for one reads the other with a rename); ``_FAMILIES`` lists
+them. Labels: ``reason`` is model_error | bad_request for failures, deadline | queue for refusals."""
 from __future__ import annotations
 
 from typing import Optional

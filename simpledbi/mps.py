@@ -1,17 +1,11 @@
 """CUDA MPS for one runtime: decide whether it is wanted, start a private daemon, always stop it.
 
 Several model processes on one GPU time-slice it; under MPS their kernels run concurrently. The
-runtime starts one *private* control daemon, so it never depends on or disturbs a system one::
-
-    Runtime.start                                         janitor (if main is SIGKILLed)
-      wanted(mode, models)? --no--> MpsStatus("off")
-      foreign_daemon()?     --yes-> MpsStatus("skipped")  (its daemon already serves the children)
-      PrivateDaemon.create()  /tmp/sdbi_mps_<pid>_XXXX/{pipe,log}, mode 0700
-      adopt(daemon) ----------------------------------->  ("mps", directory, control)
-      `nvidia-cuda-mps-control -d`, then `get_server_list` until it answers
-      model processes get CUDA_MPS_{PIPE,LOG}_DIRECTORY (ModelProcessSpec.env), never os.environ
-    Runtime.shutdown, after the model processes exit      ... after it killed them
-      PrivateDaemon.stop: `quit`, SIGKILL what is alive after the timeout, remove the directory
+runtime starts a *private* control daemon, so it never depends on or disturbs a system one (README:
+"CUDA MPS is managed by the runtime"): ``start_for`` decides (``wanted``; none if ``foreign_daemon``),
+makes its 0700 directory and hands it to ``adopt`` -- shutdown and the janitor -- before ``-d`` starts
+it; only model processes get its variables (``ModelProcessSpec.env``, never ``os.environ``);
+``PrivateDaemon.stop`` quits it after they exit, kills what is left and removes the directory.
 
 NOTE [finding our daemon]: ``-d`` daemonizes, so we never hold its pid. Our processes are found by
 scanning /proc for a process named ``nvidia-cuda-mps*`` (the control daemon and the servers it

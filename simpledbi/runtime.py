@@ -1,10 +1,7 @@
-"""``Run`` and ``Runtime``: start the model process groups, then the workers; supervise; clean up
-(the process tree: README, Architecture; a private CUDA MPS daemon: mps.py).
-
-A model process that dies is restarted while the other instances serve (supervisor.py); only a
-model marked broken makes ``Run`` raise. Shutdown is ordered and idempotent: refuse new requests
--> stop workers -> wake and stop model processes -> join with timeout -> kill (they ignore SIGTERM) ->
-answer what is left queued -> close views -> remove the namespace."""
+"""``Run`` and ``Runtime``: start the model process groups, then the workers; supervise (supervisor.py); clean
+up (the process tree: README, Architecture; a private CUDA MPS daemon: mps.py). Shutdown is ordered and
+idempotent: refuse new requests -> stop workers -> wake and stop model processes -> join with timeout -> kill
+(they ignore SIGTERM) -> answer what is left queued -> close views -> remove the namespace."""
 from __future__ import annotations
 
 import atexit

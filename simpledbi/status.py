@@ -1,8 +1,5 @@
-"""Looking inside a running runtime without taking part in it: ``simpledbi.inspect(name)``.
-
-Everything is read from the models' control blocks (mapped read-only), where the model processes
-write their counters, histograms and per-batch ring: no request is sent, so it works when every
-slot is taken and costs the runtime nothing. ``simpledbi status`` prints it; metrics.py exports it."""
+"""Looking inside a running runtime without taking part in it: ``simpledbi.inspect(name)``, read from the
+models' control blocks (mapped read-only): no request, no slot, no cost (README, ``simpledbi status``)."""
 from __future__ import annotations
 
 import os
