@@ -53,14 +53,8 @@ _MAX_BATCH = (MAX_HELD - held_cap(0)) // (held_cap(1) - held_cap(0))
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """One named model served by ``model_num`` model processes.
-
-    Give either ``path`` (a TorchScript file, or a ``torch.export`` ``.pt2`` file) or ``factory`` (a
-    picklable callable, called once in each model process, returning an ``nn.Module`` or any callable
-    taking tensors). A request is batched with others of the same item shape; a batch closes at
-    ``max_batch_size`` rows, at once when no attached client could send another request, and otherwise
-    when waiting longer would not pay (NOTE [adaptive batching]): ``wait_time`` only bounds that wait.
-    Every field is described in README, ``ModelConfig``; the comments below say what it does not."""
+    """One named model served by ``model_num`` model processes, from a ``path`` or a ``factory``. Every field
+    is in README's ``ModelConfig`` list; the comments below add what it does not say."""
 
     name: str
     path: Optional[str] = None
