@@ -27,8 +27,7 @@ def _check_type(name: str, value: Any, types, expected: str) -> None:
         raise TypeError(f"{name}: expected {expected}, got {type(value).__name__} {value!r}")
 
 
-def _check_range(name: str, value: Any, types, expected: str, ok: Callable[[Any], bool],
-                 wanted: str) -> None:
+def _check_range(name: str, value: Any, types, expected: str, ok: Callable[[Any], bool], wanted: str) -> None:
     """``_check_type``, then ValueError "<name>: expected <wanted>, got <value>" unless ``ok``."""
     _check_type(name, value, types, expected)
     if not ok(value):

@@ -35,8 +35,7 @@ class _PipeHandler(logging.Handler):
                 msg += "\n" + logging.Formatter().formatException(record.exc_info)
             if record.stack_info:
                 msg += "\n" + record.stack_info
-            fields = dict(record.__dict__, msg=msg, args=None, exc_info=None, exc_text=None,
-                          stack_info=None)
+            fields = dict(record.__dict__, msg=msg, args=None, exc_info=None, exc_text=None, stack_info=None)
             try:
                 data = pickle.dumps(logging.makeLogRecord(fields))
             except Exception:  # noqa: BLE001 - an unpicklable ``extra``: send the standard fields

@@ -264,8 +264,7 @@ def _read(name: str, directory: str) -> Optional[Registration]:
         os.close(fd)
     try:
         d = json.loads(data)
-        reg = Registration(name, str(d["namespace"]), int(d["pid"]), tuple(d["models"]),
-                           float(d["started"]))
+        reg = Registration(name, str(d["namespace"]), int(d["pid"]), tuple(d["models"]), float(d["started"]))
     except (ValueError, KeyError, TypeError):
         return None  # being written, or not ours to read
     return reg if reg.namespace.startswith("sdbi_") and "/" not in reg.namespace else None

@@ -116,8 +116,7 @@ class Runtime(Supervision, Reloads, Workers):
             self._logs = LogRelay()
             if self.name is not None:  # after the janitor: it removes the registration if we die
                 self._tell_janitor("registration", naming.registration_path(self.name))
-                self._registration = naming.register(self.name, self.namespace,
-                                                     [m.name for m in self.models])
+                self._registration = naming.register(self.name, self.namespace, [m.name for m in self.models])
             self.mps = mps.start_for(self.options.mps, self.models, self._adopt_mps_daemon)
             self._waker = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
             for cfg in self.models:
@@ -139,8 +138,7 @@ class Runtime(Supervision, Reloads, Workers):
             self._await_models()
             for cfg in self.models:  # what clients may rely on, published before RUNNING
                 ctl = self.ctls[cfg.name]
-                ctl.write_spec(*self._input_names.get(cfg.name, ((), ())), cfg.input_shapes,
-                               cfg.input_dtypes)
+                ctl.write_spec(*self._input_names.get(cfg.name, ((), ())), cfg.input_shapes, cfg.input_dtypes)
                 ctl.set_state(RUNNING)
             self._wake_r, self._wake_w = os.pipe()
             self._supervisor = threading.Thread(target=self._supervise_models,
@@ -190,10 +188,9 @@ class Runtime(Supervision, Reloads, Workers):
         spec = ModelProcessSpec(self.namespace, cfg, row, self.options, os.getpid(), self._cpu_procs,
                                 self.mps.env, log_w, logging.getLogger("simpledbi").getEffectiveLevel(),
                                 standby)
-        proc = self.ctx.Process(target=model_process_main,
+        proc = self.ctx.Process(target=model_process_main, name=f"simpledbi-{cfg.name}-{instance}",
                                 args=(spec, child_end, self.sockets[cfg.name],
-                                      InheritedFd(self.ctls[cfg.name].seg.fd)),
-                                name=f"simpledbi-{cfg.name}-{instance}", daemon=False)
+                                      InheritedFd(self.ctls[cfg.name].seg.fd)), daemon=False)
         try:
             with children_deaf_to_ctrl_c():   # NOTE [Ctrl-C and children]
                 proc.start()
@@ -232,8 +229,7 @@ class Runtime(Supervision, Reloads, Workers):
                     died = m.conn in waiting and not m.conn.poll()
                 if died:
                     m.proc.join(5)   # its exit code, for the message: it is exiting
-                    raise ModelProcessDied(m.describe() + " while loading" + _guard_hint(m),
-                                           m.proc.exitcode)
+                    raise ModelProcessDied(m.describe() + " while loading" + _guard_hint(m), m.proc.exitcode)
 
     def _loaded(self, m: _ModelProc):
         """Read a model process's load report; None if it died first."""
@@ -359,8 +355,7 @@ class Runtime(Supervision, Reloads, Workers):
             m.proc.join(max(0.0, deadline - time.monotonic()))
         for m in procs:
             if m.proc.is_alive():
-                logger.warning("model %r process %d did not stop in time; killing it",
-                               m.cfg.name, m.instance)
+                logger.warning("model %r process %d did not stop in time; killing it", m.cfg.name, m.instance)
                 _join_or_kill(m.proc, 0)
             m.conn.close()   # idempotent
             m.proc.close()

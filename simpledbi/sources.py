@@ -158,11 +158,10 @@ def ship(what: str, factory: Callable[..., Any], start_method: str,
         import cloudpickle
     except ImportError:
         raise TypeError(
-            f"{what} {describe(factory)} cannot reach the {children}: {why}, and they are started "
-            f"with {start_method!r}, so they import it by name. Either {_NOTEBOOK_EXTRA} "
-            f"(cloudpickle: simpledbi then sends it by value), or move it into a module they can "
-            f"import (a .py file beside your notebook or script, then `from mymodels import build`)"
-        ) from None
+            f"{what} {describe(factory)} cannot reach the {children}: {why}, and they are started with "
+            f"{start_method!r}, so they import it by name. Either {_NOTEBOOK_EXTRA} (cloudpickle: simpledbi "
+            f"then sends it by value), or move it into a module they can import (a .py file beside your "
+            f"notebook or script, then `from mymodels import build`)") from None
     try:
         payload = cloudpickle.dumps(factory)
     except Exception as e:  # noqa: BLE001 - pickling raises many kinds
