@@ -178,8 +178,7 @@ def _model_config(entry: Dict[str, Any]) -> ModelConfig:   # entry: a fresh dict
         raise ValueError(f"model {entry.get('name')!r}: no model file at {entry['path']!r}")
     if isinstance(entry.get("factory"), str):
         entry["factory"] = sources.import_factory(entry["factory"])
-    unknown = set(entry) - {f.name for f in dataclasses.fields(ModelConfig)}
-    if unknown:
+    if unknown := set(entry) - {f.name for f in dataclasses.fields(ModelConfig)}:
         raise ValueError(f"model {entry.get('name')!r}: unknown settings {sorted(unknown)}; "
                          f"expected ModelConfig fields")
     return ModelConfig(**entry)

@@ -73,8 +73,7 @@ def visible_gpu_count() -> int:
         n = len(os.listdir("/proc/driver/nvidia/gpus"))
     except OSError:
         return 0
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
+    if (visible := os.environ.get("CUDA_VISIBLE_DEVICES")) is not None:
         n = min(n, len([v for v in visible.split(",") if v.strip()]))
     return n
 
@@ -272,8 +271,7 @@ def start_for(mode: str, models: Sequence, adopt: Callable[[PrivateDaemon], None
     if why is None:
         return MpsStatus("off", f"mps={mode!r}" + (": no CUDA device has two model processes"
                                                     if mode == "auto" else ""))
-    foreign = foreign_daemon()
-    if foreign is not None:
+    if (foreign := foreign_daemon()) is not None:
         logger.info("CUDA MPS: not starting a private daemon: %s", foreign)
         return MpsStatus("skipped", foreign)
     control = shutil.which(CONTROL)

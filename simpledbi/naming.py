@@ -91,8 +91,7 @@ def registry_dir() -> str:
     directory]). ValueError for a bad ``$SIMPLEDBI_DIR``; PermissionError when no place works."""
     env = _env_dir()
     if env is not None:
-        why = _claim(env)
-        if why is not None:
+        if (why := _claim(env)) is not None:
             raise _env_error(env, why)
         return env
     shm_dir = _shm_registry()
@@ -220,8 +219,7 @@ def _claim_home(path: str) -> Optional[str]:
     why = _mkdir_private(cache)   # chmod: a umask of 077x would leave it unusable
     if why is not None:
         return f"could not be created ({cache}: {why})"
-    why = _claim(top)
-    if why is not None:
+    if (why := _claim(top)) is not None:
         return f"is in {top}, which {why}"
     return _claim(path)
 

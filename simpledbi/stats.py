@@ -16,8 +16,7 @@ def batch_records(ctl, since: Optional[float] = None) -> np.ndarray:
     array; with ``since``, of the batches that closed since then (``time.monotonic()``)."""
     out = []
     for inst in range(ctl.rows):
-        head = int(ctl.counters["ring_head"][inst])
-        if head:
+        if head := int(ctl.counters["ring_head"][inst]):
             out.append(ctl.ring[inst, :head] if head <= RING
                        else np.roll(ctl.ring[inst], -(head % RING), axis=0))
     if not out:
