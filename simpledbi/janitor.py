@@ -29,9 +29,8 @@ def janitor_main(namespace: str, conn, grace: float, main_pid: int, forked_end=N
     if forked_end is not None:
         with contextlib.suppress(OSError):
             os.close(forked_end)
-    # The pipe's end-of-file alone does not say the main process is gone: every process forked from
-    # it since (model processes and workers under fork, the user's os.fork() children) holds its end
-    # too. Its pidfd turns readable when it exits, whoever holds what (pinned now, as it starts).
+    # The pipe's end-of-file alone does not say the main process is gone: every process forked from it
+    # since holds its end too (README, Cleanup). Its pidfd turns readable when it exits (pinned now).
     try:
         main, gone = [os.pidfd_open(main_pid)], False
     except ProcessLookupError:   # it died already

@@ -66,8 +66,7 @@ class ModelInfo:
     message: str
     max_batch_size: int
     max_clients: int
-    attached_clients: int     # client slots a model process maps (a SharedModel holds one per
-                              # call in flight; the most any one process of the model knows)
+    attached_clients: int     # client slots mapped (the max over the model processes; README: max_clients)
     queued: int               # requests model processes took and have not answered yet
     requests: int
     batches: int
