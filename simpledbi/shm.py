@@ -1,15 +1,10 @@
-"""Where a run's shared objects live, and how they are created, mapped and removed.
+"""Where a run's shared objects live, and how they are created, mapped and removed (README, Architecture).
 
 Every run owns a *namespace* ``sdbi_<owner pid>_<128 random bits>``: a directory ``/dev/shm/<namespace>/``
-made with ``mkdir(0o700)``, so other users can neither list, open, create nor squat anything inside. It
-holds only names: each model's request socket (``<m>.sock``) and a link to its control block
-(``<m>.ctl``); ``simpledbi serve`` adds its command socket.
-
-Shared memory is a *memfd* sealed against shrinking (``F_SEAL_SHRINK``): the kernel refuses to truncate
-it, to anyone, so a mapping of it can never SIGBUS -- no process has to distrust the size of memory
-another hands it. A control block is a memfd of the runtime's main process, reached through
-``<ns>/<m>.ctl``, a symlink to ``/proc/<main pid>/fd/<n>`` (opening it opens the memfd itself; only the
-same user may); a client's slot is one of the client's, reached the same way (slots.py). Nothing is
+of mode 0700 (other users can neither list, open, create nor squat anything in it) that holds only names:
+``<m>.sock``, the ``<m>.ctl`` link, ``simpledbi serve``'s command socket. Shared memory is a *memfd*
+sealed against shrinking: the kernel refuses to truncate it, to anyone, so a mapping of it can never
+SIGBUS. Others reach one through ``/proc/<owner pid>/fd/<n>`` (only the same user may). Nothing is
 unlinked: a memfd goes with its last descriptor and mapping. (Why not ``multiprocessing.shared_memory``:
 README, Architecture; CPython #82300/#104291.)"""
 from __future__ import annotations
@@ -30,7 +25,6 @@ import numpy as np
 logger = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm"
-PREFIX = "sdbi_"
 NAMESPACE_RE = re.compile(r"^sdbi_(\d+)_[0-9a-f]+$")
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL
 _O_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -39,7 +33,7 @@ _O_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 def new_namespace() -> str:
     """Create a fresh namespace owned by this process (its private directory, mode 0700)."""
     for _ in range(8):
-        ns = f"{PREFIX}{os.getpid()}_{secrets.token_hex(16)}"
+        ns = f"sdbi_{os.getpid()}_{secrets.token_hex(16)}"
         try:
             os.mkdir(os.path.join(SHM_DIR, ns), 0o700)
         except FileExistsError:
@@ -61,9 +55,8 @@ class Segment:
         self.fd: Optional[int] = fd
         self.size = int(size)
         self.path = path
-        self.readonly = readonly
-        self._mmap: Optional[mmap.mmap] = mmap.mmap(
-            fd, self.size, access=mmap.ACCESS_READ if readonly else mmap.ACCESS_WRITE)
+        self._access = mmap.ACCESS_READ if readonly else mmap.ACCESS_WRITE
+        self._mmap: Optional[mmap.mmap] = mmap.mmap(fd, self.size, access=self._access)
 
     @classmethod
     def create_memfd(cls, name: str, size: int, link: Optional[str] = None,
@@ -105,7 +98,7 @@ class Segment:
 
     def ndarray(self, offset: int, dtype, shape) -> np.ndarray:
         dtype = np.dtype(dtype)
-        count = int(np.prod(shape, dtype=np.int64)) if len(shape) else 1
+        count = int(np.prod(shape, dtype=np.int64))
         return np.frombuffer(self.buf, dtype=dtype, count=count, offset=offset).reshape(shape)
 
     def map_at_least(self, size: int) -> None:
@@ -113,7 +106,7 @@ class Segment:
         old one goes (a failure leaves the old one in place). Views made before must be dropped."""
         if size <= self.size:
             return
-        new = mmap.mmap(self.fd, size, access=mmap.ACCESS_READ if self.readonly else mmap.ACCESS_WRITE)
+        new = mmap.mmap(self.fd, size, access=self._access)
         old, self._mmap, self.size = self._mmap, new, size
         with contextlib.suppress(BufferError):  # a view of the old mapping lives: so does it, until dropped
             old.close()
