@@ -26,8 +26,7 @@ _pylibc = ctypes.PyDLL(None, use_errno=True)     # quick calls: no GIL release a
 
 _SYS_FUTEX = {"x86_64": 202, "aarch64": 98, "ppc64le": 221, "s390x": 238}.get(platform.machine(), 202)
 _FUTEX_WAKE, _FUTEX_WAIT_BITSET = 1, 9           # shared futexes: no FUTEX_PRIVATE_FLAG
-_MATCH_ANY = 0xFFFFFFFF
-_INT_MAX = 2**31 - 1
+_MATCH_ANY, _INT_MAX = 0xFFFFFFFF, 2**31 - 1     # FUTEX_WAIT_BITSET's bitset; FUTEX_WAKE: wake them all
 
 
 class _Timespec(ctypes.Structure):

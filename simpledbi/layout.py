@@ -16,10 +16,8 @@ client slot (memfd)   two words (ticket, done: futex.py), the    client: request
                       outputs
 ====================  ========================================  ============================
 
-Both memory objects are memfds sealed against shrinking (shm.py): no process that maps one can
-ever get a SIGBUS from it, whatever anyone does to the file. Everything a client writes -- its
-datagrams, its slot -- is input to a model process, validated there (slots.py); nothing a model
-process must trust lives where a client writes.
+Both memory objects are sealed memfds (shm.py). Everything a client writes is input to a model process,
+validated there (slots.py); nothing a model process must trust lives where a client writes.
 """
 from __future__ import annotations
 
@@ -166,8 +164,7 @@ def _parts(held: int, rows: int):
     }
 
 
-_HDR_STATE = HEADER.fields["state"][1] // 8
-_HDR_BANK = HEADER.fields["bank"][1] // 8
+_HDR_STATE, _HDR_BANK = (HEADER.fields[n][1] // 8 for n in ("state", "bank"))
 _I_ROW = INSTANCE.itemsize // 8
 _I_STATE, _I_QUEUED, _I_NEWCOMER, _I_LOWEST = (INSTANCE.fields[n][1] // 8
                                               for n in ("state", "queued", "newcomer_wait", "lowest"))
@@ -183,9 +180,8 @@ def words(arr: np.ndarray, fmt: str = "q") -> memoryview:
 
 
 class ControlBlock:
-    """Views into one model's control block, a sealed memfd of the runtime's main process.
-    Others reach it through ``<ns>/<m>.ctl``, a symlink to ``/proc/<main pid>/fd/<n>`` (see
-    shm.Segment); clients map it read-only."""
+    """Views into one model's control block (``<ns>/<m>.ctl``, a memfd of the runtime's main process:
+    shm.py); clients map it read-only."""
 
     def __init__(self, seg: Segment, held: int, model_num: int):
         self.seg = seg
