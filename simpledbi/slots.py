@@ -107,17 +107,16 @@ class ClientSlot:
         self.seq = 0
         self.sent_seq = 0  # the last request whose datagram the kernel took (tests wait on it)
         self.stale_seq = 0          # a timed-out request a model process still owes an answer to
-        self.call_timeout = None    # the current call's timeout, start and priority (for its
-        self.call_start = 0.0       # datagram and its errors)
-        self.priority = 0
+        # the current call's timeout, start and priority (for its datagram and its errors)
+        self.call_timeout, self.call_start, self.priority = None, 0.0, 0
         self.published = self.woken = 0.0   # when the current request was published, its caller woken
         self.withdrawn = 0          # the last seq taken back before any model process took it
         self.interrupted = False    # close() from another thread while a call waits here
         self.cancel = None          # the current call's forward_async cancellation (client._Cancel)
         self._lock = threading.Lock()   # wake() from another thread vs. detach()
-        offsets, size = [], DATA_OFFSET
+        self._inputs, size = [], DATA_OFFSET   # (dtype, offset in the slot) per input
         for s, dt in zip(max_shapes, dtypes):
-            offsets.append(size)
+            self._inputs.append((dt, size))
             size += align(int(np.prod(s)) * dt.itemsize, 64)
         self.out_offset = size
         self.seg = Segment.create_memfd("sdbi-slot", size + 4096, grow=True)
@@ -126,7 +125,6 @@ class ClientSlot:
         for k in range(TICKETS):
             futex.ticket_init(self._base + TICKETS_OFF + 4 * k)
         self._waiter = futex.Waiter()
-        self._inputs = [(dt, off) for off, dt in zip(offsets, dtypes)]
         self._codes = [dtype_code(dt) for dt in dtypes]
         self.refused = [0, 0]   # calls refused here, unsent: deadline, queue (the next datagram reports them)
         self._reported = 0      # ... and those the current request's datagram reports (layout: REQ_PREFIX)
@@ -274,8 +272,7 @@ class ClientSlot:
     def response(self) -> Tuple[int, str, int]:
         """(status, error text, structure) of the response just written; reads its header once."""
         w = self._rw = _I64S.unpack_from(self.seg.buf, RESP_OFF)
-        status = w[_RS_STATUS]
-        text = ""
+        status, text = w[_RS_STATUS], ""
         if status != ST_OK:
             n = min(max(w[_RS_ERRLEN], 0), ERR_BYTES)
             text = bytes(self.seg.buf[ERR_OFF:ERR_OFF + n]).decode("utf-8", "replace")
@@ -419,8 +416,7 @@ class Peer:
             self.close()
             raise OSError(f"the slot of process {pid} does not carry its datagram's token")
         self.inflight = 0        # requests taken through this peer and not answered yet
-        self.answered_at = 0.0   # when this process last answered it ...
-        self.answered_seq = -1   # ... and which request
+        self.answered_at, self.answered_seq = 0.0, -1   # when this process last answered it, and what
         self.registered = 0      # address registered for DMA (engine), 0 if not
         self.on_remap = None     # called before the mapping moves (grow): unregister it
         self._heads: dict = {}   # response header prefixes by output signature
@@ -535,8 +531,7 @@ def _response_head(sig, out_offset: int, structure: int, names: bytes = b"") -> 
     are filled in per answer); the slot size the outputs need; and each output's offset."""
     w = [0] * _RESP_WORDS
     off = end = out_offset
-    used = _RS_DIMS
-    offsets = []
+    used, offsets = _RS_DIMS, []
     for j in range(len(sig) // 2):
         dtype, shape = sig[2 * j], sig[2 * j + 1]
         w[_RS_DTYPE + j], w[_RS_NDIM + j], w[_RS_OFFSET + j] = dtype_code(dtype), len(shape), off
