@@ -239,16 +239,14 @@ class SharedModel(Inputs):
         arrays, as_torch, names, positions = self._validate(inputs, named)
         timeout = self._h.default_timeout if timeout is None else _check_timeout(timeout)
         priority = self.priority if priority is None else _check_priority(priority)
-        if t_call is None:
-            t_call = time.monotonic()
+        t_call = time.monotonic() if t_call is None else t_call
         deadline = None if timeout is None else t_call + timeout
         while True:
             h = self._h
             if self.runtime is not None and (h.gone or h.ctl.state >= STOPPING and h.ctl.state != BROKEN):
                 h = self._reattach(h, deadline, cancel, timeout)
             slot = h.borrow(self)
-            slot.call_timeout, slot.call_start, slot.priority = timeout, t_call, priority
-            slot.cancel = cancel
+            slot.call_timeout, slot.call_start, slot.priority, slot.cancel = timeout, t_call, priority, cancel
             if cancel is not None:
                 cancel.slot = slot
             try:
@@ -560,8 +558,7 @@ class _Handles:
         self.namespace, self.name = namespace, name
         self.ctl, self.sock = ctl, sock
         self._new_pool()
-        self.closed = False
-        self.gone = False          # its runtime's main process was seen dead
+        self.closed, self.gone = False, False   # gone: its runtime's main process was seen dead
         self._send_fd = not _dumpable()
         self.default_timeout = ctl.default_timeout   # ModelConfig.default_timeout, or None
         self.max_queue = ctl.max_queue               # ModelConfig.max_queue, or None
