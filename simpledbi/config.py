@@ -220,6 +220,8 @@ class RuntimeOptions:
     forever on a dead process (an idle runtime wakes once per interval per process)."""
 
     poll_interval: float = 0.5
+    #: How long shutdown waits for a process it asked to stop before it kills it: a model process
+    #: first finishes the batch it runs (seconds, for a large model on a slow device).
     join_timeout: float = 10.0
     #: CUDA MPS: "auto" (a private daemon when two or more model processes share a device), "on", "off".
     mps: str = "auto"

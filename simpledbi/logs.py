@@ -80,6 +80,8 @@ class LogRelay:
             while True:
                 with self._lock:
                     conns = list(self._conns)
+                # Once stopping, nothing may come to wake us: look every 0.5 s whether the pipes are
+                # drained (close() waits for that, a bounded time).
                 for obj in wait(conns + [self._wake_r], timeout=0.5 if self._stop else None):
                     if obj == self._wake_r:
                         os.read(self._wake_r, 64)
@@ -107,7 +109,9 @@ class LogRelay:
             pass
 
     def close(self, timeout: float = 2.0) -> None:
-        """Relay what the (now stopped) processes left in their pipes, then stop the thread."""
+        """Relay what the (now stopped) processes left in their pipes, then stop the thread. That is at
+        most a pipe's buffer a process, milliseconds to relay; ``timeout`` bounds a shutdown against a
+        user's log handler that blocks."""
         self._stop = True
         os.write(self._wake_w, b"x")
         self._thread.join(timeout)

@@ -161,7 +161,7 @@ class PrivateDaemon:
         while self.command("get_server_list", deadline - time.monotonic()) is None:
             if time.monotonic() >= deadline:
                 raise MpsUnavailable(f"the daemon did not answer get_server_list within {timeout:g} s")
-            time.sleep(0.05)
+            time.sleep(0.05)   # a fresh daemon listens within tens of ms; the deadline bounds the tries
 
     def command(self, text: str, timeout: float) -> Optional[str]:
         """Send one control command through our pipe directory; its answer, or None on failure."""
@@ -201,7 +201,8 @@ class PrivateDaemon:
 def sweep_dead_daemons(timeout: float = 5.0) -> int:
     """Stop the private daemons of runtimes that are gone (their main process and janitor killed
     together) and remove their directories: the directory's name holds its creator's pid. Only
-    directories of this user; only processes whose environment names their pipe directory."""
+    directories of this user; only processes whose environment names their pipe directory. ``timeout``:
+    how long such a daemon has to quit before it is killed (a live one quits in milliseconds)."""
     swept = 0
     for path in glob.glob(os.path.join(tempfile.gettempdir(), "sdbi_mps_*_*")):
         m = re.match(r"sdbi_mps_(\d+)_", os.path.basename(path))

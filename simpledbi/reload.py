@@ -104,6 +104,7 @@ class Reloads:
             for m in old:   # ValueError: it exited, and the supervisor reaped and closed it meanwhile
                 with contextlib.suppress(ValueError):
                     while not self._stop.is_set() and not _exited(m) and time.monotonic() < deadline:
+                        # in 0.5 s steps: a shutdown meanwhile (self._stop) ends the wait promptly
                         m.proc.join(min(0.5, max(0.0, deadline - time.monotonic())))
                     if not self._stop.is_set() and not _exited(m):
                         logger.warning("model %r: old process %d did not finish within %.0f s; "

@@ -34,6 +34,7 @@ class Workers:
                 msg = conn.recv()
             except (EOFError, OSError):
                 conns.pop(conn, None)
+                conn.close()
                 return
             reported.add(rank)
             if msg[0] == "ok":
