@@ -365,26 +365,31 @@ def test_max_queue_refuses_only_what_would_wait(start_runtime, gate):
 
 
 @pytest.mark.timeout(120)
-def test_the_client_refuses_at_once_what_would_wait_beyond_max_queue(start_runtime):
+def test_the_client_refuses_at_once_what_would_wait_beyond_max_queue(start_runtime, gate):
     """max_queue with no deadlines: while the model process runs a batch it keeps taking
     requests, so it publishes what waits; a newcomer that finds max_queue waiting is refused by
-    its own client, unsent, told how many wait -- and counted by the model all the same."""
-    rt = start_runtime(cpu_model("m", functools.partial(models.sleepy, 0.3), max_batch_size=1,
+    its own client, unsent, told how many wait -- and counted by the model all the same. (A gate,
+    not a batch's length, holds each step: with 0.3 s batches a loaded machine let A finish
+    before B, C and D were all sent.)"""
+    rt = start_runtime(cpu_model("m", functools.partial(models.sleepy, 0.0, gate.name), max_batch_size=1,
                                  max_queue=2))
     m = SharedModel("m", max_shape=(1, 4), namespace=rt.namespace)
-    calls = [_call_in_thread(m, X * 1)]   # A runs; B, C, D queue on the socket meanwhile
-    _wait_for(lambda: int(m.ctl.all_instances["held"][0]) == 1)
-    for k in range(2, 5):
-        calls.append(_call_in_thread(m, X * k))
-        wait_queued(m, n=k - 1)
-    # after A: B runs (on a helper thread, its process taking requests) and C, D wait
-    _wait_for(lambda: int(m.ctl.all_instances["queued"][0]) == 2)
+    gated = np.full((1, 4), models.GATE, np.float32)
+    calls = [_call_in_thread(m, gated)]   # A: runs, held at the gate; B, C, D queue on the socket
+    gate.wait_entered()
+    for k, x in enumerate((gated, X * 3, X * 4), start=1):
+        calls.append(_call_in_thread(m, x))
+        wait_queued(m, n=k)
+    gate.open()   # A done: B runs (on a helper thread, held at the gate, its process taking requests)
+    gate.wait_entered()
+    _wait_for(lambda: int(m.ctl.all_instances["queued"][0]) == 2)   # C and D wait
     with pytest.raises(Overloaded, match="2 requests are waiting, ModelConfig.max_queue is 2") as e:
         m.forward(X * 9)
     assert e.value.reason == "queue"
-    for k, (t, out) in enumerate(calls, start=1):
+    gate.open()
+    for (t, out), x in zip(calls, (gated, gated, X * 3, X * 4)):
         t.join(60)
-        np.testing.assert_array_equal(out["y"], X * k * 2 + 1)
+        np.testing.assert_array_equal(out["y"], x * 2 + 1)
     m.forward(X)   # its datagram reports the refusal
     assert m.stats()["rejected"] == {"deadline": 0, "queue": 1}
 
