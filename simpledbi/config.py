@@ -52,8 +52,13 @@ _MAX_BATCH = (MAX_HELD - held_cap(0)) // (held_cap(1) - held_cap(0))
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """One named model served by ``model_num`` model processes, from a ``path`` or a ``factory``. Every field
-    is in README's ``ModelConfig`` list; the comments below add what it does not say."""
+    """One named model served by ``model_num`` model processes.
+
+    Give either ``path`` (a TorchScript file, or a ``torch.export`` ``.pt2`` file) or ``factory`` (a
+    picklable callable, called once in each model process, returning an ``nn.Module`` or any callable
+    taking tensors). A request is batched with others of the same item shape; a batch closes at
+    ``max_batch_size`` rows, at once when no attached client could send another request, and otherwise
+    when waiting longer would not pay (NOTE [adaptive batching]): ``wait_time`` only bounds that wait."""
 
     name: str
     path: Optional[str] = None
@@ -62,36 +67,56 @@ class ModelConfig:
     model_num: int = 1
     #: Upper bound, in seconds (at most 1), on how long a request waits for others to join its batch.
     wait_time: float = 0.003
-    #: Seconds of p99 latency (publish to answer) to keep under where load allows.
+    #: Seconds: keep p99 latency (publish to answer) under this where load allows, by capping
+    #: waits and batch sizes; answers later than it are counted in stats()["over_target"].
     latency_target: Optional[float] = None
+    #: "adaptive" (default): wait only as long as the learned costs say it pays; "fixed": wait up
+    #: to wait_time whenever an attached client may still send (the policy of simpledbi 0.1).
     batching: str = "adaptive"
     device: Union[str, Sequence[str]] = "auto"
-    #: Warm-up item shapes, one per input; with ``cuda_graphs`` True or sizes, a failed capture at load
-    #: is an error.
+    #: Item shapes (without the batch dimension) to warm the model up with at load time (and capture CUDA
+    #: graphs for). One tuple per input; positional requests with another input count are rejected.
+    #: Published to clients: ``SharedModel(name)`` then needs no ``max_shape``.
     input_shapes: Optional[Sequence[Sequence[int]]] = None
-    input_dtypes: Optional[Sequence[str]] = None   # float32 for the warm-up when omitted
+    #: numpy dtype names of the inputs for the warm-up; float32 when omitted. When given, requests
+    #: of other dtypes are rejected with "expected <dtype>", by clients before they send.
+    input_dtypes: Optional[Sequence[str]] = None
+    #: The names clients may pass inputs by (``forward(input_ids=x)``); the model is then called with
+    #: those keywords. Default: the parameters of the model's ``forward`` (its signature, or its
+    #: TorchScript schema), at most 48. When given with ``input_shapes``, one name per shape.
     input_names: Optional[Sequence[str]] = None
+    #: Cast parameters and floating inputs to this precision on the device.
     precision: str = "float32"
+    #: torch intra-op threads per model process (CPU); None: cores / CPU model processes.
     num_threads: Optional[int] = None
-    #: "host" = np.concatenate into a pinned staging buffer and one copy; "device" = one DMA per
-    #: request from registered shared memory; "auto": device on CUDA.
+    #: How a batch reaches the device: "host" = np.concatenate into a pinned staging buffer and one copy;
+    #: "device" = one DMA per request from registered shared memory; "auto": device on CUDA.
     gather: str = "auto"
-    #: "auto", True (all sizes), False, or the batch sizes. A batch is padded up to the next captured
-    #: size: like batching, this assumes independent rows (eval-mode networks).
+    #: CUDA graphs: "auto" (default: on CUDA, batches of up to 8 rows, captured per item shape that
+    #: arrives, off the serving thread; eager meanwhile, and for good if capture fails), True (all sizes),
+    #: False, or the batch sizes. With ``input_shapes`` they are captured at load time (True / sizes:
+    #: failure is an error). A batch is padded up to the next captured size: like batching, this assumes
+    #: independent rows (eval-mode networks).
     cuda_graphs: Union[bool, str, Sequence[int]] = "auto"
-    #: Most client slots (a SharedModel holds one per call in flight) a model process maps at once.
+    #: Most clients (SharedModel threads) that may attach at once.
     max_clients: int = 512
     #: Seconds a model process may take to load and warm up before Run gives up.
     load_timeout: float = 300.0
+    #: When a forward pass raises for a batch of several requests, retry halves of it until the requests
+    #: that make the model fail are found: only they get ModelError.
     isolate_errors: bool = True
-    #: Restarts back off from ``restart_backoff`` seconds, doubling per failure (at most 10 s); more
-    #: than ``max_restarts`` failures within ``restart_window`` seconds mark the model broken.
+    #: A dead model process is restarted after ``restart_backoff`` seconds, doubling per failure (at most
+    #: 10 s); after more than ``max_restarts`` failures within ``restart_window`` seconds the model is
+    #: marked broken and every caller gets ModelProcessDied.
     max_restarts: int = 5
     restart_window: float = 60.0
     restart_backoff: float = 0.1
-    #: README "Overload": at most this many requests wait across the model's processes; 0: nothing waits.
+    #: Past capacity (NOTE [overload]): at most this many requests wait across the model's processes; a
+    #: newcomer beyond it gets ``Overloaded`` at once (unless it outranks a waiting one). 0: nothing waits
+    #: (a batch or a refusal). None: no bound but the deadlines.
     max_queue: Optional[int] = None
-    #: Seconds: the timeout of a call that gives none (README "Overload").
+    #: Seconds: the timeout of a call that gives none. A request that cannot be answered within
+    #: its timeout, given the queue ahead and the learned cost, is refused at once (Overloaded).
     default_timeout: Optional[float] = None
 
     def __post_init__(self):
@@ -223,7 +248,8 @@ class RuntimeOptions:
     #: How long shutdown waits for a process it asked to stop before it kills it: a model process
     #: first finishes the batch it runs (seconds, for a large model on a slow device).
     join_timeout: float = 10.0
-    #: CUDA MPS: "auto" (a private daemon when two or more model processes share a device), "on", "off".
+    #: CUDA MPS: "auto" starts a private MPS control daemon when two or more model processes share a
+    #: CUDA device, "on" always (an error if it cannot be started), "off" never (mps.py).
     mps: str = "auto"
 
     def __post_init__(self):

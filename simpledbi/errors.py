@@ -62,10 +62,12 @@ class SlotsExhausted(SimpleDBIError, RuntimeError):
 
 
 class Overloaded(SimpleDBIError, TimeoutError):
-    """The model refused this request at once rather than answer it late or queue it without bound (README,
-    "Overload"; NOTE [overload]): ``reason`` is ``"deadline"`` or ``"queue"``; ``expected_wait`` the wait it
-    would have had (seconds, 0 when unknown). The request never ran. A ``TimeoutError`` too: code that catches
-    ``TimeoutError`` keeps working (the refusal only comes before the timeout)."""
+    """The model refused this request at once rather than answer it late or queue it without
+    bound (NOTE [overload]): ``reason`` is ``"deadline"`` (it could not be answered within its
+    timeout given the queue ahead) or ``"queue"`` (``max_queue`` requests were waiting);
+    ``expected_wait`` the wait it would have had (seconds, 0 when unknown). Retrying after about
+    ``retry_after`` seconds is reasonable. The request never ran. A ``TimeoutError`` too: code
+    that catches ``TimeoutError`` keeps working (the refusal only comes before the timeout)."""
 
     def __init__(self, message: str, reason: str = "queue", expected_wait: float = 0.0,
                  timeout: float | None = None):

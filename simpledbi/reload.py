@@ -19,11 +19,13 @@ logger = logging.getLogger("simpledbi.runtime")
 
 class Reloads:
     def reload(self, model: str, path=None, timeout: float = 60.0) -> ModelConfig:
-        """Replace the processes of ``model`` without failing a request (README, ``simpledbi reload``): by
-        the model at ``path`` -- a file, ``"module:function"`` or a factory (a callable, as
-        ``ModelConfig(factory=)`` takes) --, else the same source again. The old processes finish what they
-        took (killed after ``timeout`` seconds); if a new one fails to load, the current version keeps
-        serving and the error is raised."""
+        """Replace the processes of ``model`` (with the model at ``path`` -- a file, a factory by import path
+        ``"module:function"``, or the factory itself, a callable as ``ModelConfig(factory=)`` takes -- else
+        the same source loaded again) without failing a request: start new processes in the other bank of the
+        control block while the current ones serve (loaded, they claim nothing yet), switch, then let the old
+        ones answer what they took and exit (killed after ``timeout`` seconds). If a new process fails to
+        load, the new ones are stopped -- they hold nothing -- and the current version keeps serving; the
+        error is raised. Holds both versions in memory meanwhile."""
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= 3600:
             raise ValueError(f"reload timeout: expected 0 < seconds <= 3600, got {timeout!r}")
         with self._reload_lock:

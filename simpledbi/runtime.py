@@ -382,10 +382,13 @@ def Run(target: Optional[Callable] = None, worker_num: int = 1, args: Sequence =
         kwargs: Optional[dict] = None, models: Sequence[ModelConfig] = (), *,
         options: Optional[RuntimeOptions] = None, start_method: str = "spawn",
         name: Optional[str] = None) -> List[Any]:
-    """Start ``models``, run ``target(rank, *args, **kwargs)`` in ``worker_num`` processes once they serve,
-    clean up on any exit, Ctrl-C and SIGTERM included; returns the workers' return values by rank. Raises
-    :class:`WorkerError` or, for a broken model, :class:`ModelProcessDied` (README, ``Run``). ``name`` lets
-    processes it did not start attach too."""
+    """Start ``models``, run ``target(rank, *args, **kwargs)`` in ``worker_num`` processes, clean up.
+
+    Model processes load and warm up before any worker starts. Returns the workers' return values
+    (by rank). Raises :class:`WorkerError` naming the first worker that raised or died (the others
+    are then stopped), :class:`ModelProcessDied` if a model breaks (its processes keep dying), and
+    cleans up on any exit, Ctrl-C and SIGTERM included. ``name`` lets processes it did not start
+    attach too."""
     if target is not None and not callable(target):
         raise TypeError(f"target: expected a callable, got {type(target).__name__}")
     if not isinstance(worker_num, int) or isinstance(worker_num, bool) or worker_num < 0:
