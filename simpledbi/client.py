@@ -27,7 +27,7 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from . import naming, stats as _stats
+from . import naming, sender, stats as _stats, watchers
 from .config import MODEL_NAME_RE
 from .errors import (ModelError, ModelProcessDied, Overloaded, RuntimeStopped, RuntimeUnavailable,
                      SlotsExhausted)
@@ -45,6 +45,9 @@ ENV_NAMESPACE = "SIMPLEDBI_NAMESPACE"
 _live_clients: "weakref.WeakSet[SharedModel]" = weakref.WeakSet()
 
 
+#: False: every forward_async call waits in a thread of the pool below, as where the kernel has no
+#: futex_waitv (experiments/async_lag.py compares the two).
+_ASYNC_WATCHERS = True
 #: Threads the async waiters may use at most (each waits for one call in flight; threads are
 #: made only when every earlier one is busy, so a process has as many as its peak concurrency).
 _ASYNC_MAX_THREADS = 4096
@@ -250,33 +253,123 @@ class SharedModel(Inputs):
             if cancel is not None:
                 cancel.slot = slot
             try:
-                outs, structure, out_names = self._call(h, slot, arrays, deadline, names, positions)
-                break
+                seq = self._publish(h, slot, arrays, deadline, names, positions)
+                try:
+                    self._send(h, slot, deadline)
+                    self._await(h, slot, seq, deadline)
+                    return self._answer(h, slot, as_torch)
+                except BaseException:
+                    self._unwind(slot, seq)
+                    raise
             except _Resend:
                 continue   # the runtime went away before anyone took the request: its successor
             finally:
                 h.give_back(slot)
-        if as_torch:
-            torch = sys.modules["torch"]
-            outs = [torch.from_numpy(o) for o in outs]
-        return _restructure(outs, structure, out_names)
 
     async def forward_async(self, *inputs, timeout: Optional[float] = None,
                             priority: Optional[int] = None, **kw_inputs):
         """``await``-able :meth:`forward`: the event loop never blocks, and concurrent coroutines
-        of one process are batched together (each call waits in a thread of a pool that grows
-        with the calls in flight). Cancelling the coroutine withdraws the request if no model
-        process has taken it yet, else abandons its result (its slot is lent again once the
-        answer has arrived)."""
-        cancel = _Cancel()
+        of one process are batched together. The request is sent from the loop and its answer
+        awaited there (a watcher thread per 127 calls in flight sees it arrive: watchers.py).
+        Cancelling the coroutine withdraws the request if no model process has taken it yet, else
+        abandons its result (its slot is lent again once the answer has arrived)."""
         timeout = self._h.default_timeout if timeout is None else _check_timeout(timeout)
-        t_call = time.monotonic()   # its timeout counts from now, not from when a pool thread takes it
-
-        def call():   # in a thread of the pool
-            out = self._forward(inputs, kw_inputs, timeout, priority, cancel, t_call)
-            return out, self._last.get(None)   # set by this executor thread's own call
+        t_call = time.monotonic()   # its timeout counts from now, whatever runs it
+        if not (_ASYNC_WATCHERS and watchers.available()):
+            return await self._in_thread(self._forward, inputs, kw_inputs, timeout, priority, t_call=t_call)
+        if self._closed:
+            raise RuntimeStopped(f"SharedModel({self.name!r}) is closed")
+        arrays, as_torch, names, positions = self._validate(inputs, kw_inputs)
+        priority = self.priority if priority is None else _check_priority(priority)
+        h = self._h
+        if self.runtime is not None and (h.gone or h.ctl.state >= STOPPING and h.ctl.state != BROKEN):
+            # re-attaching waits for the successor: in a thread
+            return await self._in_thread(self._forward, inputs, kw_inputs, timeout, priority, t_call=t_call)
         try:
-            out, timing = await asyncio.get_running_loop().run_in_executor(_async_executor(), call)
+            return await self._in_loop(h, arrays, as_torch, names, positions, timeout, priority, t_call)
+        except _Resend:   # the runtime went away before anyone took it: to its successor, from a thread
+            return await self._in_thread(self._forward, inputs, kw_inputs, timeout, priority, t_call=t_call)
+
+    async def _in_loop(self, h: "_Handles", arrays, as_torch, names, positions, timeout, priority, t_call):
+        """forward_async's call, sent and awaited in the event loop."""
+        deadline = None if timeout is None else t_call + timeout
+        slot = h.borrow(self)
+        slot.call_timeout, slot.call_start, slot.priority, slot.cancel = timeout, t_call, priority, None
+        try:
+            seq = self._publish(h, slot, arrays, deadline, names, positions)
+            try:
+                try:
+                    if h._sender is not None and h._sender.waiting:
+                        raise BlockingIOError   # earlier calls wait for room: it goes after them
+                    slot.send(slot._msg)
+                except BlockingIOError:   # the model's queue is full
+                    await self._send_when_room(h, slot, deadline)
+                except OSError as e:   # the socket is gone: the runtime stopped
+                    slot.unsent()
+                    self._stopped(h, f"the runtime is gone ({e.strerror or e})")
+                while True:   # as _await, with the sleep awaited
+                    wait = self._next_wait(slot, seq, deadline)
+                    if wait is None:
+                        break
+                    address, seen = slot.done_word()
+                    if slot.arrived(seq):
+                        break
+                    await watchers.changed(address, seen, wait)
+                    if slot.arrived(seq):
+                        break
+                    self._still_wanted(h, slot, seq)
+                return self._answer(h, slot, as_torch)
+            except BaseException:
+                self._unwind(slot, seq)
+                raise
+        finally:
+            h.give_back(slot)
+
+    async def _send_when_room(self, h: "_Handles", slot: ClientSlot, deadline: Optional[float]) -> None:
+        """forward_async's _send while the model's socket queue is full: the handle's sender thread
+        sends the datagram once there is room (sender.py); meanwhile the call looks every poll
+        interval whether it is still wanted and someone is still there to take it."""
+        sender, loop = h.sender(self.poll_interval), asyncio.get_running_loop()
+        item = sender.queue(slot, loop)
+        try:
+            while True:
+                wait = self.poll_interval
+                if deadline is not None:
+                    wait = min(wait, deadline - time.monotonic())
+                    if wait <= 0:
+                        if not sender.give_up(item):
+                            return   # sent just now: the wait for its answer times out
+                        slot.unsent()
+                        self._on_timeout(slot, "the model's queue stayed full; the request was not sent")
+                await asyncio.wait((item.future,), timeout=wait)
+                if item.sent:
+                    return
+                if item.error is not None:
+                    raise item.error
+                if item.future.done():   # (woken to look: the next wake-up needs a new one)
+                    item.future = loop.create_future()
+                if slot.interrupted:
+                    self._given_up(slot)
+                self._check_runtime(h, slot)
+        except OSError as e:   # the socket is gone: the runtime stopped
+            slot.unsent()
+            self._stopped(h, f"the runtime is gone ({e.strerror or e})")
+        except BaseException:
+            if sender.give_up(item):   # never sent: the refusals it was to report go with the next
+                slot.unsent()
+            raise
+
+    async def _in_thread(self, fn, *args, **kw):
+        """``fn(*args, cancel=..., **kw)`` in a thread of the async pool (what must wait in a thread:
+        re-attaching, room in a full queue; and every call where the kernel has no futex_waitv).
+        Its result is the call's; cancelling the task tells the thread to give up."""
+        cancel = _Cancel()
+
+        def call():
+            out = fn(*args, cancel=cancel, **kw)
+            return out, self._last.get(None)   # set by this executor thread's own call
+        try:   # (shielded: a thread that has not started yet still runs, to give up what it holds)
+            out, timing = await asyncio.shield(asyncio.get_running_loop().run_in_executor(_async_executor(), call))
         except asyncio.CancelledError:
             cancel.cancel()   # the waiting thread takes the request back, if nobody took it yet
             raise
@@ -320,8 +413,9 @@ class SharedModel(Inputs):
         return f"SharedModel({self.name!r}, max_shape={self.max_shapes}, namespace={self.namespace!r})"
 
     # ------------------------------------------------------------ one call
-    def _call(self, h: "_Handles", slot: ClientSlot, arrays: List[np.ndarray], deadline: Optional[float],
-              names: int, positions: Optional[Tuple[int, ...]]):
+    def _publish(self, h: "_Handles", slot: ClientSlot, arrays: List[np.ndarray], deadline: Optional[float],
+                 names: int, positions: Optional[Tuple[int, ...]]) -> int:
+        """Refuse the call here (Overloaded), or write its request into ``slot``; its seq."""
         if h.ctl.state >= STOPPING:
             self._raise_runtime_state(h)
         if deadline is not None and slot.priority <= 0 or h.max_queue is not None:
@@ -330,17 +424,15 @@ class SharedModel(Inputs):
             with h.lock:
                 slot.refused = [a + b for a, b in zip(slot.refused, h.refused)]
                 h.refused = [0, 0]
-        seq = slot.publish(arrays, names, positions, deadline or 0.0, slot.priority, send=False)
-        try:
-            self._send(h, slot, deadline)
-            return self._await(h, slot, seq, deadline)
-        except BaseException:
-            # Whatever ended the call (a timeout, a typed error, KeyboardInterrupt, ...): a request
-            # nobody took is taken back; one still owed an answer keeps its slot stale, so the late
-            # answer can never reach a later call.
-            if not slot.stale_seq and not slot.answered(seq) and not slot.withdraw():
-                slot.abandon(seq)
-            raise
+        return slot.publish(arrays, names, positions, deadline or 0.0, slot.priority, send=False)
+
+    @staticmethod
+    def _unwind(slot: ClientSlot, seq: int) -> None:
+        """Whatever ended the call (a timeout, a typed error, KeyboardInterrupt, cancellation, ...):
+        a request nobody took is taken back; one still owed an answer keeps its slot stale, so the
+        late answer can never reach a later call."""
+        if not slot.stale_seq and not slot.answered(seq) and not slot.withdraw():
+            slot.abandon(seq)
 
     def _send(self, h: "_Handles", slot: ClientSlot, deadline: Optional[float]) -> None:
         """Send the request's datagram; while the model's socket queue is full, wait for room in the
@@ -370,20 +462,34 @@ class SharedModel(Inputs):
             h.set_send_timeout(wait)
             block = True
 
-    def _await(self, h: "_Handles", slot: ClientSlot, seq: int, deadline: Optional[float]):
+    def _await(self, h: "_Handles", slot: ClientSlot, seq: int, deadline: Optional[float]) -> None:
+        """Sleep until the answer to ``seq`` has arrived (forward_async awaits it the same way)."""
         while True:
-            wait = self.poll_interval
-            if deadline is not None:
-                wait = min(wait, deadline - time.monotonic())
-                if wait <= 0:
-                    if slot.answered(seq):
-                        break   # it came in time; this thread only ran late
-                    self._on_timeout(slot)
-            if slot.wait(seq, wait):
-                break
-            if slot.interrupted or slot.cancel is not None and slot.cancel.cancelled:
-                self._given_up(slot)
-            self._check_alive(h, slot, seq)
+            wait = self._next_wait(slot, seq, deadline)
+            if wait is None or slot.wait(seq, wait):
+                return
+            self._still_wanted(h, slot, seq)
+
+    def _next_wait(self, slot: ClientSlot, seq: int, deadline: Optional[float]) -> Optional[float]:
+        """How long to sleep for the answer before looking again: a poll interval, at most what is
+        left of the timeout; None if the answer came just in time; past the deadline, TimeoutError."""
+        wait = self.poll_interval
+        if deadline is not None:
+            wait = min(wait, deadline - time.monotonic())
+            if wait <= 0:
+                if slot.answered(seq):
+                    return None   # it came in time; this thread only ran late
+                self._on_timeout(slot)
+        return wait
+
+    def _still_wanted(self, h: "_Handles", slot: ClientSlot, seq: int) -> None:
+        """Woken without the answer: raises if the call was given up or nobody will answer it."""
+        if slot.interrupted or slot.cancel is not None and slot.cancel.cancelled:
+            self._given_up(slot)
+        self._check_alive(h, slot, seq)
+
+    def _answer(self, h: "_Handles", slot: ClientSlot, as_torch: bool):
+        """The call's result, from the response in ``slot`` (or the exception its status says)."""
         status, text, structure = slot.response()
         if status != ST_OK:
             if status == ST_STOPPED:   # the runtime stopped before computing it: it never ran
@@ -395,7 +501,10 @@ class SharedModel(Inputs):
         out_names = slot.output_names() if structure >= OUT_DICT else b""
         self._latest = timing = slot.timing_tuple()
         self._last.set(timing)
-        return outs, structure, out_names
+        if as_torch:
+            torch = sys.modules["torch"]
+            outs = [torch.from_numpy(o) for o in outs]
+        return _restructure(outs, structure, out_names)
 
     def _given_up(self, slot: ClientSlot):
         """The call's handle was closed from another thread, or its forward_async task cancelled."""
@@ -740,6 +849,7 @@ class _Handles:
         self.busy: set = set()
         self.creating = 0          # slots being made right now (outside the lock)
         self.refused = [0, 0]      # calls refused here (deadline, queue: NOTE [overload]), not reported yet
+        self._sender: Optional[sender.Sender] = None   # forward_async's, made at its first full queue
 
     def release(self) -> None:
         """Detach idle slots now, busy ones when their call ends (woken with RuntimeStopped)."""
@@ -751,12 +861,23 @@ class _Handles:
             for slot in self.busy:  # woken under the lock: a slot given back meanwhile is not
                 slot.interrupted = True
                 slot.wake()
+            if self._sender is not None:   # forward_async calls waiting for room
+                self._sender.wake_all()
             last = not self.busy and not self.creating
         for slot in idle:
             slot.detach()
         if last:
             self._close_shared()
 
+    def sender(self, look: float) -> "sender.Sender":
+        """The thread that sends forward_async's datagrams while the model's queue is full."""
+        with self.lock:
+            if self._sender is None:
+                self._sender = sender.Sender(self.sock, look)
+            return self._sender
+
     def _close_shared(self) -> None:
+        if self._sender is not None:
+            self._sender.close()
         self.sock.close()
         self.ctl.close()

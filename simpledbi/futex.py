@@ -107,3 +107,33 @@ class Waiter:
             err = ctypes.get_errno()
             if err not in (errno.ETIMEDOUT, errno.EINTR, errno.EAGAIN):
                 raise OSError(err, "futex wait failed")
+
+
+# ---------------------------------------------------------------- many done words at once
+class WaitV(ctypes.Structure):
+    """One word of a futex_waitv call (struct futex_waitv): sleep while ``*uaddr == val``."""
+    _fields_ = [("val", ctypes.c_uint64), ("uaddr", ctypes.c_uint64), ("flags", ctypes.c_uint32),
+                ("reserved", ctypes.c_uint32)]
+
+
+WAITV_MAX = 128                  # the kernel's limit of words per futex_waitv call
+WAITV_U32 = 2                    # FUTEX2_SIZE_U32, shared (no FUTEX2_PRIVATE): the slots' done words
+_SYS_FUTEX_WAITV = 449           # the same number on every architecture (Linux 5.16)
+_waitv = _libc["syscall"]        # (a function object of its own: _syscall's argument types stay)
+_waitv.argtypes = [ctypes.c_long, ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint, ctypes.c_void_p,
+                   ctypes.c_int]
+_waitv.restype = ctypes.c_long
+
+
+def wait_any(words, n: int) -> int:
+    """Sleep until one of the first ``n`` of ``words`` (a WaitV array) is woken; its index, or -1
+    when one already holds another value than its ``val`` (or a signal or fault ended the sleep:
+    the caller looks at every word). The GIL is released."""
+    return max(_waitv(_SYS_FUTEX_WAITV, words, n, 0, None, time.CLOCK_MONOTONIC), -1)
+
+
+def waitv_supported() -> bool:
+    """Does this kernel have futex_waitv (Linux 5.16+, and not filtered out by a seccomp profile)?
+    A call with no words is refused with EINVAL where it exists."""
+    return _waitv(_SYS_FUTEX_WAITV, None, 0, 0, None, time.CLOCK_MONOTONIC) == -1 \
+        and ctypes.get_errno() == errno.EINVAL

@@ -216,11 +216,21 @@ class ClientSlot:
 
     def wait(self, seq: int, timeout: float) -> bool:
         """Sleep on the done word up to ``timeout``; True once the response to ``seq`` is written."""
-        seen = futex.load(self._done)
+        address, seen = self.done_word()
+        if not self.arrived(seq):
+            self._waiter.wait(address, seen, timeout)
+            return self.arrived(seq)
+        return True
+
+    def done_word(self) -> Tuple[int, int]:
+        """(address, value) of the done word, read *before* looking for an answer: a sleep while
+        it holds that value cannot miss the answer's wake-up."""
+        return self._done, futex.load(self._done)
+
+    def arrived(self, seq: int) -> bool:
+        """Has the response to ``seq`` been written? (Then its caller is counted woken now.)"""
         if int(self._resp_seq[0]) != seq:
-            self._waiter.wait(self._done, seen, timeout)
-            if int(self._resp_seq[0]) != seq:
-                return False
+            return False
         self.woken = time.monotonic()
         return True
 

@@ -1,0 +1,168 @@
+"""forward_async waits in the event loop: its answers are watched by a thread per 127 calls
+(watchers.py), its datagrams sent by a thread per handle while the model's queue is full
+(sender.py). Nothing else of a call runs outside the loop."""
+import asyncio
+import ctypes
+import functools
+import math
+import os
+import random
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from simpledbi import ModelProcessDied, RuntimeStopped, SharedModel
+from simpledbi import client as client_module, futex, watchers
+
+from . import models
+from .conftest import cpu_model
+
+needs_waitv = pytest.mark.skipif(not watchers.available(), reason="this kernel has no futex_waitv")
+
+
+@pytest.fixture(params=["loop", "threads"])
+def async_mode(request, monkeypatch):
+    """forward_async as it runs here (loop), and as where the kernel has no futex_waitv (threads)."""
+    if request.param == "loop" and not watchers.available():
+        pytest.skip("this kernel has no futex_waitv")
+    monkeypatch.setattr(client_module, "_ASYNC_WATCHERS", request.param == "loop")
+    return request.param
+
+
+# ---------------------------------------------------------------- watchers, alone
+@needs_waitv
+@pytest.mark.timeout(60)
+def test_watchers_wake_each_call_for_its_own_word_only():
+    n, idle = 300, 20
+    words = (ctypes.c_uint32 * (n + idle))()
+    addr = [ctypes.addressof(words) + 4 * k for k in range(n + idle)]
+    ended = {}
+
+    async def wait(k, timeout):
+        t = time.monotonic()
+        await watchers.changed(addr[k], 0, timeout)
+        ended[k] = (time.monotonic() - t, words[k])
+
+    def change_all():
+        for k in random.sample(range(n), n):
+            futex.store_and_wake(addr[k], 1)
+
+    async def main():
+        tasks = [asyncio.ensure_future(wait(k, 30.0)) for k in range(n)]
+        tasks += [asyncio.ensure_future(wait(k, 0.2)) for k in range(n, n + idle)]
+        for _ in range(3):
+            await asyncio.sleep(0)   # every call watches its word (and the bells have rung)
+        assert all(k not in ended for k in range(n))
+        before = len(watchers._watchers)
+        await asyncio.to_thread(change_all)
+        await asyncio.gather(*tasks)
+        return before
+
+    watching = asyncio.run(main())
+    # one thread per 127 words watched at once (words watched before this test's are counted too)
+    assert len(watchers._watchers) == watching <= math.ceil((n + idle) / 127) + 1
+    for k in range(n):   # each returned because its own word changed, long before its timeout
+        assert ended[k][1] == 1 and ended[k][0] < 10, (k, ended[k])
+    for k in range(n, n + idle):   # the others at their timeout, their words untouched
+        assert ended[k][1] == 0 and 0.15 < ended[k][0] < 10, (k, ended[k])
+
+
+@needs_waitv
+@pytest.mark.timeout(30)
+def test_a_word_that_changed_before_the_watcher_slept_returns_at_once():
+    word = ctypes.c_uint32(7)
+
+    async def main():
+        t = time.monotonic()
+        await watchers.changed(ctypes.addressof(word), 6, 20.0)   # the caller saw 6; it holds 7
+        return time.monotonic() - t
+
+    assert asyncio.run(main()) < 5
+
+
+# ---------------------------------------------------------------- forward_async end to end
+@needs_waitv
+@pytest.mark.timeout(120)
+def test_forward_async_calls_wait_in_the_loop_not_in_a_thread_each(start_runtime, gate):
+    """300 calls of one loop behind a model process stuck in a forward pass: they wait on a few
+    threads (a watcher, the sender), not 300; once it goes on, each gets its own answer."""
+    n = 300
+    rt = start_runtime(cpu_model("g", functools.partial(models.gated, gate.name), max_batch_size=16,
+                                 wait_time=0.0, max_clients=n + 8))
+    m = SharedModel("g", (1, 3), namespace=rt.namespace)
+
+    async def main():
+        blocker = asyncio.ensure_future(m.forward_async(np.full((1, 3), models.GATE, np.float32)))
+        await asyncio.to_thread(gate.wait_entered)
+        before = threading.active_count()
+        xs = [np.full((1, 3), k, np.float32) for k in range(n)]
+        calls = [asyncio.ensure_future(m.forward_async(x, timeout=60)) for x in xs]
+        for _ in range(3):
+            await asyncio.sleep(0)   # each call has published and sent or queued its request
+        assert sum(s.seq == s.sent_seq for s in m._h.busy) >= 1   # (some are in the socket's queue)
+        assert threading.active_count() - before <= 3, threading.enumerate()
+        gate.open()
+        ys = await asyncio.gather(*calls)
+        await blocker
+        return xs, ys
+
+    xs, ys = asyncio.run(main())
+    for x, y in zip(xs, ys):
+        np.testing.assert_array_equal(y, x * 2 + 1)
+    assert m.stats()["requests"] == n + 1
+    m.close()
+
+
+@pytest.mark.timeout(120)
+def test_close_from_another_thread_ends_waiting_forward_async_calls_at_once(start_runtime, gate, async_mode):
+    """With a 30 s poll interval, only the close's wake-up can end the calls within 10 s: the one
+    whose request a model process holds, those queued on its socket and (in the loop, where they
+    wait for the sender thread, not in a blocked send) those waiting for room in the full queue."""
+    n = 20 if async_mode == "loop" else 5   # (the socket's queue holds 10: net.unix.max_dgram_qlen)
+    rt = start_runtime(cpu_model("g", functools.partial(models.gated, gate.name), max_batch_size=1,
+                                 wait_time=0.0))
+    m = SharedModel("g", (1, 3), namespace=rt.namespace, poll_interval=30)
+
+    async def main():
+        calls = [asyncio.ensure_future(m.forward_async(np.full((1, 3), models.GATE, np.float32)))]
+        await asyncio.to_thread(gate.wait_entered)
+        calls += [asyncio.ensure_future(m.forward_async(np.full((1, 3), k, np.float32))) for k in range(n)]
+        await asyncio.sleep(0.2)   # (not a synchronisation: the calls end with RuntimeStopped either way)
+        t = time.monotonic()
+        await asyncio.to_thread(m.close)
+        outcomes = await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), 10)
+        return outcomes, time.monotonic() - t
+
+    outcomes, took = asyncio.run(main())
+    gate.open()
+    assert all(isinstance(o, RuntimeStopped) for o in outcomes), outcomes
+    assert took < 10
+    with SharedModel("g", (1, 3), namespace=rt.namespace) as again:   # the runtime is unharmed
+        x = np.full((1, 3), 5.0, np.float32)
+        np.testing.assert_array_equal(asyncio.run(again.forward_async(x, timeout=30)), x * 2 + 1)
+
+
+@pytest.mark.timeout(120)
+def test_forward_async_times_out_and_hears_of_a_dead_model_process(start_runtime, gate, async_mode):
+    rt = start_runtime(cpu_model("g", functools.partial(models.gated, gate.name), max_batch_size=1,
+                                 wait_time=0.0, model_num=2, restart_backoff=0.01))
+    m = SharedModel("g", (1, 3), namespace=rt.namespace)
+    x = np.full((1, 3), models.GATE, np.float32)
+
+    async def main():
+        with pytest.raises(TimeoutError, match="no result within the timeout"):
+            await m.forward_async(x, timeout=0.3)   # held in a forward pass until the gate opens
+        await asyncio.to_thread(gate.wait_entered)
+        held = asyncio.ensure_future(m.forward_async(x))
+        await asyncio.to_thread(gate.wait_entered)   # the other process holds this one
+        inst = rt.ctls["g"].instances
+        for pid in [int(p) for p in inst["pid"][inst["held"] > 0]]:
+            os.kill(pid, signal.SIGKILL)
+        with pytest.raises(ModelProcessDied):
+            await asyncio.wait_for(held, 20)   # told at once by the supervisor, not after a timeout
+
+    asyncio.run(main())
+    m.close()
