@@ -275,7 +275,9 @@ class SharedModel(Inputs):
         abandons its result (its slot is lent again once the answer has arrived)."""
         timeout = self._h.default_timeout if timeout is None else _check_timeout(timeout)
         t_call = time.monotonic()   # its timeout counts from now, whatever runs it
-        if not (_ASYNC_WATCHERS and watchers.available()):
+        # (a client that sends its slot's descriptor with each datagram waits in a thread: the
+        # sender's datagrams carry none)
+        if not (_ASYNC_WATCHERS and watchers.available()) or self._h.send_fd:
             return await self._in_thread(self._forward, inputs, kw_inputs, timeout, priority, t_call=t_call)
         if self._closed:
             raise RuntimeStopped(f"SharedModel({self.name!r}) is closed")
@@ -327,27 +329,30 @@ class SharedModel(Inputs):
 
     async def _send_when_room(self, h: "_Handles", slot: ClientSlot, deadline: Optional[float]) -> None:
         """forward_async's _send while the model's socket queue is full: the handle's sender thread
-        sends the datagram once there is room (sender.py); meanwhile the call looks every poll
-        interval whether it is still wanted and someone is still there to take it."""
-        sender, loop = h.sender(self.poll_interval), asyncio.get_running_loop()
-        item = sender.queue(slot, loop)
+        sends the datagram once there is room (sender.py). It wakes the call when the queue stayed
+        full for a poll interval, to check that the call is still wanted and the runtime alive."""
+        try:
+            sender = h.sender(self.poll_interval)
+        except OSError as e:   # the socket is gone: the runtime stopped
+            slot.unsent()
+            self._stopped(h, f"the runtime is gone ({e.strerror or e})")
+        item = sender.queue(slot._msg, asyncio.get_running_loop())
         try:
             while True:
-                wait = self.poll_interval
+                wait = None
                 if deadline is not None:
-                    wait = min(wait, deadline - time.monotonic())
+                    wait = deadline - time.monotonic()
                     if wait <= 0:
                         if not sender.give_up(item):
-                            return   # sent just now: the wait for its answer times out
+                            return   # sent (or the kernel holds it): the wait for its answer times out
                         slot.unsent()
                         self._on_timeout(slot, "the model's queue stayed full; the request was not sent")
                 await asyncio.wait((item.future,), timeout=wait)
-                if item.sent:
-                    return
                 if item.error is not None:
                     raise item.error
-                if item.future.done():   # (woken to look: the next wake-up needs a new one)
-                    item.future = loop.create_future()
+                if not sender.rearm(item):
+                    slot.sent_seq = slot.seq
+                    return
                 if slot.interrupted:
                     self._given_up(slot)
                 self._check_runtime(h, slot)
@@ -668,7 +673,7 @@ class _Handles:
         self.ctl, self.sock = ctl, sock
         self._new_pool()
         self.closed, self.gone = False, False   # gone: its runtime's main process was seen dead
-        self._send_fd = not _dumpable()
+        self.send_fd = not _dumpable()
         self.default_timeout = ctl.default_timeout   # ModelConfig.default_timeout, or None
         self.max_queue = ctl.max_queue               # ModelConfig.max_queue, or None
 
@@ -814,7 +819,7 @@ class _Handles:
             self.creating += 1  # the shared handles stay open until this one is made
         slot = None
         try:
-            slot = ClientSlot(self.sock, client.max_shapes, client.dtypes, self._send_fd)
+            slot = ClientSlot(self.sock, client.max_shapes, client.dtypes, self.send_fd)
         finally:
             with self.lock:
                 self.creating -= 1
@@ -870,10 +875,17 @@ class _Handles:
             self._close_shared()
 
     def sender(self, look: float) -> "sender.Sender":
-        """The thread that sends forward_async's datagrams while the model's queue is full."""
+        """The thread that sends forward_async's datagrams while the model's queue is full, through
+        a socket of its own (its send timeout is its own)."""
         with self.lock:
             if self._sender is None:
-                self._sender = sender.Sender(self.sock, look)
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+                try:
+                    sock.connect(self.sock.getpeername())
+                except OSError:
+                    sock.close()
+                    raise
+                self._sender = sender.Sender(sock, look)
             return self._sender
 
     def _close_shared(self) -> None:

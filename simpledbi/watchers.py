@@ -110,7 +110,7 @@ class _Watcher:
         watch.live = False
         self.live -= 1
         self._remove(watch)
-        fired.append((watch, True))
+        fired.append((watch.loop, watch.future, True))
 
     def _run(self) -> None:
         woken = None   # the watch the last sleep woke for; None: look at every word
@@ -138,11 +138,11 @@ _BELL.live = False
 
 
 def hand_over(done: list) -> None:
-    """Set the futures of ``done``, (watch, result) pairs (anything with a ``loop`` and a
-    ``future``), each in its loop: one wake-up per loop however many futures."""
+    """Set the futures of ``done``, (loop, future, result) triples, each in its loop: one wake-up
+    per loop however many futures."""
     by_loop: dict = {}
-    for watch, result in done:
-        by_loop.setdefault(watch.loop, []).append((watch.future, result))
+    for loop, future, result in done:
+        by_loop.setdefault(loop, []).append((future, result))
     for loop, futures in by_loop.items():
         try:
             loop.call_soon_threadsafe(_resolve, futures)

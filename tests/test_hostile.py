@@ -302,9 +302,11 @@ def test_close_ends_the_calls_waiting_for_room_in_a_full_queue(start_runtime, ga
     blocker.close()
 
 
-def test_a_cancelled_forward_async_waiting_for_room_in_a_full_queue_is_never_sent(start_runtime, gate):
+def test_a_cancelled_forward_async_waiting_for_room_in_a_full_queue_never_runs(start_runtime, gate):
     """Cancelling forward_async tasks whose calls wait for room in the model's full socket queue:
-    every call ends (its pool thread is free) and none of their requests ever runs."""
+    every call ends and none of their requests ever runs. (A datagram the handle's sender thread
+    had already handed to the kernel may still reach a model process once there is room: it takes
+    nothing for it, and counts it withdrawn.)"""
     import asyncio
     rt = _gated(start_runtime, gate, max_batch_size=1, wait_time=0.001)
     with SharedModel("gated", max_shape=(1, 2), namespace=rt.namespace) as m:
@@ -328,8 +330,9 @@ def test_a_cancelled_forward_async_waiting_for_room_in_a_full_queue_is_never_sen
         t.join(30)
         x = np.full((1, 2), 3.0, np.float32)
         np.testing.assert_array_equal(m.forward(x, timeout=10), x * 2 + 1)
-        _wait_for(lambda: m.stats()["withdrawn"] == sent)
+        _wait_for(lambda: m.stats()["withdrawn"] >= sent)
         assert m.stats()["rows"] == 2   # the gated request and the last one, nothing else
+        assert m.stats()["withdrawn"] <= sent + 2   # (the two that waited for room, at most)
         blocker.close()
 
 
