@@ -269,9 +269,9 @@ class SharedModel(Inputs):
     async def forward_async(self, *inputs, timeout: Optional[float] = None,
                             priority: Optional[int] = None, **kw_inputs):
         """``await``-able :meth:`forward`: the event loop never blocks, and concurrent coroutines
-        of one process are batched together. The request is sent from the loop and its answer
-        awaited there (a watcher thread per 127 calls in flight sees it arrive: watchers.py).
-        Cancelling the coroutine withdraws the request if no model process has taken it yet, else
+        of one process are batched together. The request is sent from the loop (by the handle's
+        sender thread while the model's queue is full: sender.py) and its answer awaited there (a
+        watcher thread per 127 calls in flight sees it arrive: watchers.py). Cancelling the coroutine withdraws the request if no model process has taken it yet, else
         abandons its result (its slot is lent again once the answer has arrived)."""
         timeout = self._h.default_timeout if timeout is None else _check_timeout(timeout)
         t_call = time.monotonic()   # its timeout counts from now, whatever runs it
@@ -366,7 +366,7 @@ class SharedModel(Inputs):
 
     async def _in_thread(self, fn, *args, **kw):
         """``fn(*args, cancel=..., **kw)`` in a thread of the async pool (what must wait in a thread:
-        re-attaching, room in a full queue; and every call where the kernel has no futex_waitv).
+        re-attaching to a named runtime; and every call where the kernel has no futex_waitv).
         Its result is the call's; cancelling the task tells the thread to give up."""
         cancel = _Cancel()
 

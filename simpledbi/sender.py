@@ -33,7 +33,8 @@ from typing import List, Optional
 from . import watchers
 
 _WAITING, _SENDING, _SENT, _GAVE_UP = range(4)
-#: Datagrams handed to the kernel in one call at most (the kernel's own limit is 1024).
+#: Datagrams handed to the kernel in one call at most: what the thread builds in Python before the
+#: call (the kernel's own limit is 1024); the rest go in the next call, a moment later.
 _BATCH = 256
 
 
