@@ -336,10 +336,11 @@ class SharedModel(Inputs):
         except OSError as e:   # the socket is gone: the runtime stopped
             slot.unsent()
             self._stopped(h, f"the runtime is gone ({e.strerror or e})")
-        item = sender.queue(slot._msg, asyncio.get_running_loop())
+        loop = asyncio.get_running_loop()
+        item = sender.queue(slot._msg, loop)
         try:
             while True:
-                wait = None
+                timer = None
                 if deadline is not None:
                     wait = deadline - time.monotonic()
                     if wait <= 0:
@@ -347,7 +348,12 @@ class SharedModel(Inputs):
                             return   # sent (or the kernel holds it): the wait for its answer times out
                         slot.unsent()
                         self._on_timeout(slot, "the model's queue stayed full; the request was not sent")
-                await asyncio.wait((item.future,), timeout=wait)
+                    timer = loop.call_later(wait, watchers.settle, item.future)   # (then a look)
+                try:
+                    await item.future
+                finally:
+                    if timer is not None:
+                        timer.cancel()
                 if item.error is not None:
                     raise item.error
                 if not sender.rearm(item):

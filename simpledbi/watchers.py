@@ -156,6 +156,12 @@ def _resolve(futures) -> None:
             future.set_result(result)
 
 
+def settle(future: asyncio.Future, result=False) -> None:
+    """Set ``future`` to ``result`` unless it is done (a timer's: time to look)."""
+    if not future.done():
+        future.set_result(result)
+
+
 _watchers: List[_Watcher] = []
 _watchers_lock = threading.Lock()
 
@@ -184,7 +190,7 @@ async def changed(address: int, seen: int, timeout: float) -> None:
         watch = _Watch(address, seen, loop, future)
         with watcher.lock:
             watcher.add(watch)
-    timer = loop.call_later(timeout, _resolve, ((future, False),))
+    timer = loop.call_later(timeout, settle, future)
     try:
         await future
     finally:
