@@ -525,11 +525,12 @@ class SharedModel(Inputs):
 
     def _on_timeout(self, slot: ClientSlot, unsent: str = "the request was withdrawn before any model "
                                                           "process took it"):
+        within = _within(slot.call_timeout)
         if slot.withdraw():
-            raise TimeoutError(f"model {self.name!r}: no result within the timeout ({unsent})")
-        raise TimeoutError(f"model {self.name!r}: no result within the timeout; a model process took "
-                           f"the request: if it is being computed, its late result will be discarded, "
-                           f"else it will not run")
+            raise TimeoutError(f"model {self.name!r}: no result within the timeout ({within}{unsent})")
+        raise TimeoutError(f"model {self.name!r}: no result within the timeout{_within(slot.call_timeout, '')}; "
+                           f"a model process took the request: if it is being computed, its late result "
+                           f"will be discarded, else it will not run")
 
     def _stopped(self, h: "_Handles", why: str, resend: bool = True):
         """``h``'s runtime is stopping or gone: attached by name, a request nobody took
@@ -623,8 +624,15 @@ def _status_error(name: str, status: int, text: str, timeout: Optional[float] = 
     if status == ST_FULL:
         return SlotsExhausted(f"model {name!r}: {text}")
     if status == ST_EXPIRED:
-        return TimeoutError(f"model {name!r}: no result within the timeout ({text})")
+        return TimeoutError(f"model {name!r}: no result within the timeout ({_within(timeout)}{text})")
     return ModelProcessDied(f"model {name!r}: unknown response status {status}: {text}")
+
+
+def _within(timeout: Optional[float], sep: str = ": ") -> str:
+    """A timeout message's "0.2 s: " (in parentheses but for ``sep=""``): the call's timeout."""
+    if timeout is None:
+        return ""
+    return f"{timeout:.3g} s{sep}" if sep else f" ({timeout:.3g} s)"
 
 
 def _check_priority(priority) -> int:
