@@ -142,3 +142,6 @@ def test_the_example_answers_overloaded_with_503_and_retry_after():
     e = http_error(Overloaded("model 'mlp' is overloaded: ...", "deadline", expected_wait=2.6, timeout=1.0))
     assert e.status_code == 503 and e.headers == {"Retry-After": "2"} and "overloaded" in e.detail
     assert http_error(TimeoutError("slow")).status_code == 504
+    from simpledbi import SlotsExhausted   # more calls in flight than max_clients: retry, not a bug
+    e = http_error(SlotsExhausted("model 'mlp': all 512 client slots of this model are in use"))
+    assert e.status_code == 503 and e.headers == {"Retry-After": "1"}

@@ -6,7 +6,8 @@
 Each uvicorn worker process attaches to the runtime by name once; every request handler awaits
 ``forward_async``, so concurrent requests of all workers are batched together. Errors map to HTTP:
 400 bad input, 500 the model raised, 503 the model or runtime is down -- or overloaded: refused
-at once, with ``Retry-After`` (README "Overload") --, 504 timeout.
+at once, with ``Retry-After`` (README "Overload"), or more requests in flight than the model's
+``max_clients`` slots --, 504 timeout.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from fastapi import FastAPI, HTTPException
 from pydantic import BaseModel
 
 import simpledbi
-from simpledbi import ModelError, ModelProcessDied, Overloaded, RuntimeStopped, SharedModel
+from simpledbi import ModelError, ModelProcessDied, Overloaded, RuntimeStopped, SharedModel, SlotsExhausted
 
 MODEL = os.environ.get("SIMPLEDBI_MODEL", "mlp")
 MAX_ROWS = 16
@@ -59,6 +60,8 @@ def http_error(e: BaseException) -> HTTPException:
         return HTTPException(500, str(e))
     if isinstance(e, Overloaded):   # before TimeoutError: it is one
         return HTTPException(503, str(e), headers={"Retry-After": str(max(1, round(e.retry_after)))})
+    if isinstance(e, SlotsExhausted):   # more calls in flight than ModelConfig.max_clients: retry
+        return HTTPException(503, str(e), headers={"Retry-After": "1"})
     if isinstance(e, (ModelProcessDied, RuntimeStopped)):
         return HTTPException(503, str(e))
     if isinstance(e, TimeoutError):
