@@ -1,0 +1,137 @@
+"""Hostile clients of the forward_async event-loop path (watchers.py, sender.py)."""
+import asyncio
+import functools
+import random
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from simpledbi import Overloaded, RuntimeStopped, SharedModel, watchers
+from simpledbi import client as client_module
+
+from . import models
+from .conftest import cpu_model
+
+needs_waitv = pytest.mark.skipif(not watchers.available(), reason="this kernel has no futex_waitv")
+
+
+def _x(k, rows=1):
+    return np.full((rows, 3), float(k), np.float32)
+
+
+@needs_waitv
+@pytest.mark.timeout(180)
+def test_cancellation_storm_every_survivor_gets_its_own_answer(start_runtime, gate):
+    n = 600
+    rt = start_runtime(cpu_model("g", functools.partial(models.gated, gate.name), max_batch_size=8,
+                                 wait_time=0.0, max_clients=n + 8))
+    m = SharedModel("g", (4, 3), namespace=rt.namespace)
+    rng = random.Random(1)
+
+    async def main():
+        blocker = asyncio.ensure_future(m.forward_async(_x(models.GATE)))
+        await asyncio.to_thread(gate.wait_entered)
+        calls = {k: asyncio.ensure_future(m.forward_async(_x(k, 1 + k % 4), timeout=60)) for k in range(n)}
+        for _ in range(3):
+            await asyncio.sleep(0)
+        # cancel a third now (queued in the sender, or in the socket)
+        for k in rng.sample(range(n), n // 3):
+            calls[k].cancel()
+        gate.open()
+        await blocker
+        # cancel more at random moments while answers flow
+        for _ in range(40):
+            await asyncio.sleep(rng.random() * 0.005)
+            for k in rng.sample(range(n), 5):
+                calls[k].cancel()
+        res = await asyncio.gather(*calls.values(), return_exceptions=True)
+        return dict(zip(calls, res))
+
+    out = asyncio.run(main())
+    ok = 0
+    for k, r in out.items():
+        if isinstance(r, asyncio.CancelledError):
+            continue
+        assert not isinstance(r, BaseException), (k, r)
+        np.testing.assert_array_equal(r, _x(k, 1 + k % 4) * 2 + 1)
+        ok += 1
+    assert ok > 0
+    assert not m._h.busy
+    # the handle still works, from a fresh loop
+    np.testing.assert_array_equal(asyncio.run(m.forward_async(_x(7), timeout=30)), _x(7) * 2 + 1)
+    m.close()
+
+
+def _fill_the_socket(m, n=40):
+    """``n`` calls behind the held one: the socket's queue (10) fills, the rest wait in the sender."""
+    calls = [asyncio.ensure_future(m.forward_async(_x(k), timeout=60)) for k in range(n)]
+    return calls
+
+
+@needs_waitv
+@pytest.mark.timeout(120)
+def test_a_timeout_while_waiting_for_room_is_a_timeout_not_a_stopped_runtime(start_runtime, gate):
+    """TimeoutError is an OSError: _send_when_room's `except OSError` took its own timeout for a
+    socket gone, raised RuntimeStopped("the runtime is gone") and marked the handle gone."""
+    rt = start_runtime(cpu_model("g", functools.partial(models.gated, gate.name), max_batch_size=1,
+                                 wait_time=0.0))
+    m = SharedModel("g", (1, 3), namespace=rt.namespace)
+
+    async def main():
+        blocker = asyncio.ensure_future(m.forward_async(_x(models.GATE)))
+        await asyncio.to_thread(gate.wait_entered)
+        fillers = _fill_the_socket(m)
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert m._h._sender is not None and m._h._sender.waiting
+        try:
+            with pytest.raises(TimeoutError, match="queue stayed full"):
+                await m.forward_async(_x(-1), timeout=0.3)
+            assert not m._h.gone
+        finally:
+            gate.open()
+        await blocker
+        for k, y in enumerate(await asyncio.gather(*fillers)):
+            np.testing.assert_array_equal(y, _x(k) * 2 + 1)
+
+    asyncio.run(main())
+    assert not m._h.busy
+    m.close()
+
+
+@needs_waitv
+@pytest.mark.timeout(120)
+def test_a_timeout_while_waiting_for_room_leaves_a_named_client_attached(gate):
+    """Attached by name: the same mistaken RuntimeStopped became a _Resend, the call went to a
+    thread to wait for a 'successor' runtime that never comes, and the handle stayed 'gone'."""
+    from simpledbi.runtime import Runtime
+    from .conftest import FAST
+    name = f"h44-{random.randrange(1 << 30):x}"
+    with Runtime([cpu_model("g", functools.partial(models.gated, gate.name), max_batch_size=1,
+                            wait_time=0.0)], FAST, name=name):
+        m = SharedModel("g", (1, 3), runtime=name, connect_timeout=5)
+
+        async def main():
+            blocker = asyncio.ensure_future(m.forward_async(_x(models.GATE)))
+            await asyncio.to_thread(gate.wait_entered)
+            fillers = _fill_the_socket(m)
+            for _ in range(3):
+                await asyncio.sleep(0)
+            assert m._h._sender is not None and m._h._sender.waiting
+            try:
+                t = time.monotonic()
+                with pytest.raises(TimeoutError):
+                    await m.forward_async(_x(-1), timeout=0.3)
+                assert time.monotonic() - t < 3
+            finally:
+                gate.open()
+            await blocker
+            await asyncio.gather(*fillers)
+            t = time.monotonic()
+            np.testing.assert_array_equal(await m.forward_async(_x(3), timeout=30), _x(3) * 2 + 1)
+            assert time.monotonic() - t < 3   # not a connect_timeout's wait for a 'successor'
+
+        asyncio.run(main())
+        m.close()
