@@ -135,3 +135,43 @@ def test_a_timeout_while_waiting_for_room_leaves_a_named_client_attached(gate):
 
         asyncio.run(main())
         m.close()
+
+
+@needs_waitv
+@pytest.mark.timeout(120)
+def test_close_from_another_thread_while_a_call_publishes_ends_it_at_once(start_runtime, gate, monkeypatch):
+    """close() from another thread between the call's borrow and its first look at the done word
+    (while it publishes or sends: the loop thread runs it without an await, but another thread
+    can take the GIL anywhere in it): the close's wake-up came before the call read the word,
+    so the call slept a whole poll interval (30 s here) before it saw it was closed."""
+    rt = start_runtime(cpu_model("g", functools.partial(models.gated, gate.name), max_batch_size=1,
+                                 wait_time=0.0))
+    m = SharedModel("g", (1, 3), namespace=rt.namespace, poll_interval=30)
+    held = SharedModel("g", (1, 3), namespace=rt.namespace)
+    publish = SharedModel._publish
+
+    def publish_then_closed_elsewhere(self, *args):
+        seq = publish(self, *args)
+        if self is m:
+            closer = threading.Thread(target=self.close)   # what a GIL switch here lets another thread do
+            closer.start()
+            closer.join()
+        return seq
+
+    monkeypatch.setattr(SharedModel, "_publish", publish_then_closed_elsewhere)
+
+    async def main():
+        blocker = asyncio.ensure_future(held.forward_async(_x(models.GATE)))
+        await asyncio.to_thread(gate.wait_entered)   # the model process is busy: nobody answers m
+        t = time.monotonic()
+        try:
+            with pytest.raises(RuntimeStopped):
+                await asyncio.wait_for(m.forward_async(_x(4)), 10)
+            return time.monotonic() - t
+        finally:
+            gate.open()
+            await blocker
+
+    assert asyncio.run(main()) < 10
+    assert not m._h.busy
+    held.close()
