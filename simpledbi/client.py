@@ -316,6 +316,8 @@ class SharedModel(Inputs):
                     address, seen = slot.done_word()
                     if slot.arrived(seq):
                         break
+                    if slot.interrupted:   # closed before the word was read: its wake-up is not ahead
+                        self._given_up(slot)
                     await watchers.changed(address, seen, wait)
                     if slot.arrived(seq):
                         break
