@@ -175,3 +175,47 @@ def test_close_from_another_thread_while_a_call_publishes_ends_it_at_once(start_
     assert asyncio.run(main()) < 10
     assert not m._h.busy
     held.close()
+
+
+@needs_waitv
+@pytest.mark.timeout(120)
+def test_close_from_another_thread_before_a_call_queues_for_room_ends_it_at_once(start_runtime, gate,
+                                                                                 monkeypatch):
+    """The same race while the model's queue is full: close()'s wake_all came before the call
+    queued its datagram in the sender, so the call waited for the sender's next look (a poll
+    interval, 30 s here) before it saw it was closed."""
+    rt = start_runtime(cpu_model("g", functools.partial(models.gated, gate.name), max_batch_size=1,
+                                 wait_time=0.0))
+    m = SharedModel("g", (1, 3), namespace=rt.namespace, poll_interval=30)
+    held = SharedModel("g", (1, 3), namespace=rt.namespace)
+    publish = SharedModel._publish
+
+    def publish_then_closed_elsewhere(self, *args):
+        seq = publish(self, *args)
+        if self is m:
+            closer = threading.Thread(target=self.close)
+            closer.start()
+            closer.join()
+        return seq
+
+    async def main():
+        blocker = asyncio.ensure_future(held.forward_async(_x(models.GATE)))
+        await asyncio.to_thread(gate.wait_entered)
+        fillers = _fill_the_socket(held)   # the model's socket queue is full: m's datagram must wait
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert held._h._sender is not None and held._h._sender.waiting
+        monkeypatch.setattr(SharedModel, "_publish", publish_then_closed_elsewhere)
+        t = time.monotonic()
+        try:
+            with pytest.raises(RuntimeStopped):
+                await asyncio.wait_for(m.forward_async(_x(4)), 10)
+            return time.monotonic() - t
+        finally:
+            gate.open()
+            await blocker
+            await asyncio.gather(*fillers)
+
+    assert asyncio.run(main()) < 10
+    assert not m._h.busy
+    held.close()
