@@ -341,6 +341,8 @@ class SharedModel(Inputs):
         loop = asyncio.get_running_loop()
         item = sender.queue(slot._msg, loop)
         try:
+            if slot.interrupted:   # closed before it was queued: wake_all did not see it
+                self._given_up(slot)
             while True:
                 timer = None
                 if deadline is not None:
