@@ -219,3 +219,40 @@ def test_close_from_another_thread_before_a_call_queues_for_room_ends_it_at_once
     assert asyncio.run(main()) < 10
     assert not m._h.busy
     held.close()
+
+
+_REMAP_CLIENT = r"""
+import asyncio, sys, threading
+import numpy as np
+from simpledbi import SharedModel, RuntimeStopped, shm
+m = SharedModel("e", (4, 64), namespace=sys.argv[1])
+grow = shm.Segment.map_at_least
+def grown_then_closed_elsewhere(self, size):
+    grow(self, size)
+    closer = threading.Thread(target=m.close)   # what a GIL switch here lets another thread do
+    closer.start()
+    closer.join(2)   # it ends here, unless the slot's move holds it off until done (then it ends later)
+shm.Segment.map_at_least = grown_then_closed_elsewhere
+x = np.ones((4, 64), np.float32)
+try:
+    y = asyncio.run(m.forward_async(x, timeout=30)) if sys.argv[2] == "async" else m.forward(x, timeout=30)
+    assert y.shape == (4, 4096) and (y == 1).all()
+except RuntimeStopped:
+    pass
+print("survived", flush=True)
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_close_from_another_thread_while_a_call_maps_its_grown_slot_does_not_crash(start_runtime, mode):
+    """A model process grows a slot for outputs larger than it; the call reading them maps the
+    slot anew and unmaps the old mapping, then points its done-word address at the new one. A
+    close() from another thread in between (release: slot.wake) stored into the unmapped word:
+    SIGSEGV of the client process."""
+    import subprocess
+    import sys
+    rt = start_runtime(cpu_model("e", models.expand, max_batch_size=4, wait_time=0.0))
+    p = subprocess.run([sys.executable, "-c", _REMAP_CLIENT, rt.namespace, mode], capture_output=True,
+                       text=True, timeout=90)
+    assert p.returncode == 0 and "survived" in p.stdout, (p.returncode, p.stdout, p.stderr[-2000:])
