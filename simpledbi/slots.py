@@ -297,13 +297,14 @@ class ClientSlot:
         """Copies of the outputs of the response read by :meth:`response`."""
         w = self._rw
         if w[_RS_NEEDED] > self.seg.size:  # the model process extended the slot (large outputs)
-            self._drop_views()
-            try:
-                self.seg.map_at_least(w[_RS_NEEDED])
-            except (OSError, ValueError, OverflowError) as e:   # a header scribbled on
-                raise ValueError(f"the response needs {w[_RS_NEEDED]} bytes of the slot: {e}") from None
-            finally:
-                self._map_views()
+            with self._lock:   # not while wake() (close, from another thread) stores into the done word
+                self._drop_views()
+                try:
+                    self.seg.map_at_least(w[_RS_NEEDED])
+                except (OSError, ValueError, OverflowError) as e:   # a header scribbled on
+                    raise ValueError(f"the response needs {w[_RS_NEEDED]} bytes of the slot: {e}") from None
+                finally:
+                    self._map_views()
         n_out = w[_RS_NOUT]
         if not 1 <= n_out <= MAX_IO:
             raise ValueError(f"response with {n_out} outputs")
