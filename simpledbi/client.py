@@ -2,8 +2,8 @@
 
 A call borrows a *slot* (NOTE [slot protocol] in slots.py) from its handle's pool, or makes one.
 Slots belong to the handle, not to threads, so a web server's thread pool that retires and
-creates threads never leaks them: a handle holds as many slots as it ever had calls in flight at
-once (plus those owed a late answer after a timeout, lent again once it has arrived).
+creates threads never leaks them: a handle holds a slot per call in flight and up to _IDLE_KEPT
+idle ones (plus those owed a late answer after a timeout, lent again once it has arrived).
 """
 from __future__ import annotations
 
@@ -48,6 +48,12 @@ _live_clients: "weakref.WeakSet[SharedModel]" = weakref.WeakSet()
 #: False: every forward_async call waits in a thread of the pool below, as where the kernel has no
 #: futex_waitv (experiments/async_lag.py compares the two).
 _ASYNC_WATCHERS = True
+#: Idle slots a handle keeps beyond its calls in flight; more are closed as they come back. Each
+#: holds memory for its largest request and answer, and a client place in every model process
+#: (ModelConfig.max_clients, 512 by default): a burst of 800 forward_async calls kept 800, and the
+#: model's other clients got SlotsExhausted until the handle closed. A new slot costs ~0.1 ms here
+#: and a mapping in each model process that takes a request from it.
+_IDLE_KEPT = 16
 #: Threads the async waiters may use at most (each waits for one call in flight; threads are
 #: made only when every earlier one is busy, so a process has as many as its peak concurrency).
 _ASYNC_MAX_THREADS = 4096
@@ -358,18 +364,16 @@ class SharedModel(Inputs):
                 finally:
                     if timer is not None:
                         timer.cancel()
-                if item.error is not None:
-                    raise item.error
+                if item.error is not None:   # the socket is gone: the runtime stopped
+                    slot.unsent()
+                    self._stopped(h, f"the runtime is gone ({item.error.strerror or item.error})")
                 if not sender.rearm(item):
                     slot.sent_seq = slot.seq
                     return
                 if slot.interrupted:
                     self._given_up(slot)
                 self._check_runtime(h, slot)
-        except OSError as e:   # the socket is gone: the runtime stopped
-            slot.unsent()
-            self._stopped(h, f"the runtime is gone ({e.strerror or e})")
-        except BaseException:
+        except BaseException:   # (the call's TimeoutError too: an OSError, not "the socket is gone")
             if sender.give_up(item):   # never sent: the refusals it was to report go with the next
                 slot.unsent()
             raise
@@ -851,15 +855,19 @@ class _Handles:
         return slot
 
     def give_back(self, slot: Optional[ClientSlot]) -> None:
-        """To the pool; once the handle is closed, detached (the last one out closes the shared handles)."""
+        """To the pool, unless it holds _IDLE_KEPT idle slots beyond the calls in flight; once the
+        handle is closed, detached (the last one out closes the shared handles)."""
         with self.lock:
             self.busy.discard(slot)
             if not self.closed:
                 (self.stale if slot.stale_seq else self.idle).append(slot)
-                return
-            last = not self.busy and not self.creating
-        if slot is not None:
-            slot.detach()
+                excess = self.idle[:max(len(self.idle) - len(self.busy) - _IDLE_KEPT, 0)]
+                del self.idle[:len(excess)]
+            else:
+                excess = [slot] if slot is not None else []
+            last = self.closed and not self.busy and not self.creating
+        for idle in excess:
+            idle.detach()
         if last:
             self._close_shared()
 

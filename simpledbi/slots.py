@@ -217,10 +217,11 @@ class ClientSlot:
     def wait(self, seq: int, timeout: float) -> bool:
         """Sleep on the done word up to ``timeout``; True once the response to ``seq`` is written."""
         address, seen = self.done_word()
-        if not self.arrived(seq):
-            self._waiter.wait(address, seen, timeout)
-            return self.arrived(seq)
-        return True
+        if self.arrived(seq):
+            return True
+        if not (self.interrupted or self.cancel is not None and self.cancel.cancelled):
+            self._waiter.wait(address, seen, timeout)   # (a close or cancel after the look wakes it)
+        return self.arrived(seq)
 
     def done_word(self) -> Tuple[int, int]:
         """(address, value) of the done word, read *before* looking for an answer: a sleep while

@@ -166,3 +166,72 @@ def test_forward_async_times_out_and_hears_of_a_dead_model_process(start_runtime
 
     asyncio.run(main())
     m.close()
+
+
+@needs_waitv
+@pytest.mark.timeout(120)
+def test_a_timeout_while_the_queue_is_full_leaves_a_named_handle_attached(gate):
+    """A forward_async call whose timeout passes while its datagram waits for room in the model's
+    full queue raises TimeoutError; that (an OSError) must not read as "the socket is gone": the
+    handle, attached by name, was marked gone, and every later call of it waited its whole timeout
+    for a successor runtime and raised RuntimeUnavailable while the runtime served."""
+    from simpledbi import Runtime, RuntimeUnavailable
+    from .conftest import FAST
+    name = f"sdbitest-full-{os.getpid()}"
+    with Runtime([cpu_model("g", functools.partial(models.gated, gate.name), max_batch_size=1,
+                            wait_time=0.0)], FAST, name=name):
+        m = SharedModel("g", (1, 3), runtime=name)
+
+        async def main():
+            blocker = asyncio.ensure_future(m.forward_async(np.full((1, 3), models.GATE, np.float32)))
+            await asyncio.to_thread(gate.wait_entered)
+            xs = [np.full((1, 3), k, np.float32) for k in range(100)]   # the socket's queue holds 10
+            outcomes = await asyncio.gather(*[m.forward_async(x, timeout=0.3) for x in xs],
+                                            return_exceptions=True)
+            gate.open()
+            await blocker
+            x = np.full((1, 3), 5.0, np.float32)
+            return outcomes, x, await m.forward_async(x, timeout=30)
+
+        outcomes, x, y = asyncio.run(main())
+        assert all(isinstance(o, TimeoutError) and not isinstance(o, RuntimeUnavailable)
+                   for o in outcomes), outcomes
+        assert not m._h.gone
+        np.testing.assert_array_equal(y, x * 2 + 1)
+        m.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_burst_leaves_its_handle_few_idle_slots_and_room_for_other_clients(start_runtime, gate):
+    """A handle closes the slots a burst of calls made beyond _IDLE_KEPT idle ones, so model processes
+    drop them and other clients find room (it kept all 40: with max_clients 64, a second handle's
+    40 calls then got SlotsExhausted)."""
+    rt = start_runtime(cpu_model("g", functools.partial(models.gated, gate.name), max_batch_size=64,
+                                 wait_time=0.0, max_clients=64))
+    kept = client_module._IDLE_KEPT
+
+    def burst(m, base):
+        async def main():
+            blocker = asyncio.ensure_future(m.forward_async(np.full((1, 3), models.GATE, np.float32)))
+            await asyncio.to_thread(gate.wait_entered)   # every call below is in flight at once
+            xs = [np.full((1, 3), base + k, np.float32) for k in range(39)]
+            calls = [asyncio.ensure_future(m.forward_async(x, timeout=60)) for x in xs]
+            await asyncio.sleep(0)   # each call has published (a slot of its own)
+            assert len(m._h.busy) == 40
+            gate.open()
+            return xs, await asyncio.gather(*calls), await blocker
+        xs, ys, _ = asyncio.run(main())
+        for x, y in zip(xs, ys):
+            np.testing.assert_array_equal(y, x * 2 + 1)
+
+    a = SharedModel("g", (1, 3), namespace=rt.namespace)
+    burst(a, 0)
+    assert len(a._h.idle) == kept and not a._h.busy
+    deadline = time.monotonic() + 30   # model processes drop closed slots at their next look
+    while rt.ctls["g"].instances["clients"].max() > kept:
+        assert time.monotonic() < deadline, rt.ctls["g"].instances["clients"]
+        time.sleep(0.02)
+    b = SharedModel("g", (1, 3), namespace=rt.namespace)
+    burst(b, 100)   # 40 more slots: 16 + 40 <= 64
+    a.close()
+    b.close()

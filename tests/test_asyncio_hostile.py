@@ -8,8 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from simpledbi import Overloaded, RuntimeStopped, SharedModel, watchers
-from simpledbi import client as client_module
+from simpledbi import RuntimeStopped, SharedModel, watchers
 
 from . import models
 from .conftest import cpu_model
