@@ -880,6 +880,8 @@ class _Handles:
         self.busy: set = set()
         self.creating = 0          # slots being made right now (outside the lock)
         self.refused = [0, 0]      # calls refused here (deadline, queue: NOTE [overload]), not reported yet
+        if getattr(self, "_sender", None) is not None:   # (a forked child: its parent's)
+            self._sender.drop_inherited()
         self._sender: Optional[sender.Sender] = None   # forward_async's, made at its first full queue
 
     def release(self) -> None:

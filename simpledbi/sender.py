@@ -4,14 +4,9 @@ The socket's queue is short (net.unix.max_dgram_qlen, 10 by default). A forward_
 datagram finds it full queues the datagram here and waits in its event loop. The handle's sender
 thread hands every queued datagram to the kernel in one ``sendmmsg`` on a socket of its own,
 which sends each as soon as a model process has taken one: the queue is refilled at kernel
-speed, with no Python (and no GIL) between two datagrams, however many calls wait.
-
-Measured alternatives (experiments/async_lag.py): a thread per waiting call, blocked in send,
-refilled the queue as fast, but 2000 such threads took the GIL from the loop for seconds; the loop
-polling the socket and sending itself refilled it only between its other work, and a Python
-thread sending one datagram at a time waited for the GIL after each send (on 16 cores, at most
-one send per thread switch interval, 5 ms): either way model processes closed their batches a
-quarter to half full.
+speed, with no Python (and no GIL) between two datagrams, however many calls wait. (A thread
+per waiting call, the loop sending by itself, and a thread sending one datagram at a time were
+measured and refilled it too slowly or took the GIL from the loop: docs/BENCHMARKS.md, run 44.)
 
 A call that stops waiting (timeout, cancellation, close, the runtime gone) gives its datagram up.
 One not handed to the kernel yet is never sent. One the kernel holds may still be sent after the
@@ -125,6 +120,10 @@ class Sender:
             if item.future.done():
                 item.future = item.loop.create_future()
             return True
+
+    def drop_inherited(self) -> None:
+        """In a forked child, which has none of the parent's threads: close the socket it inherited."""
+        self._sock.close()
 
     def close(self) -> None:
         """End the thread (within a poll interval) and close its socket."""

@@ -4,11 +4,8 @@ A ``forward_async`` call publishes and sends its request from the event loop, th
 :func:`changed` on its slot's done word (NOTE [slot protocol] in slots.py). A watcher thread
 sleeps in one ``futex_waitv`` on the done words of up to 127 such calls and a bell word of its
 own, and when a word changes, resolves that call's future in its loop. The loop reads the answer.
-
-Why not a thread per call (the fallback, where the kernel has no futex_waitv): 200 threads
-waking for their answers and reading them under the GIL delayed the loop's other work by tens of
-milliseconds on 2 cores, and 2000 by most of a second (experiments/async_lag.py). Here a process
-has ceil(calls / 127) watcher threads, and each does only the futex wait and the hand-over.
+A thread per call (the fallback, where the kernel has no futex_waitv) took the GIL from the loop:
+tens of milliseconds of lag at 200 calls on 2 cores, seconds at 2000 (docs/BENCHMARKS.md, run 44).
 
 No wake-up is lost: a call reads the word's value *before* it looks for its answer, and the
 watcher sleeps only while every word still holds the value its call saw (futex_waitv compares
@@ -23,6 +20,7 @@ import asyncio
 import ctypes
 import os
 import threading
+import weakref
 from typing import List, Optional
 
 from . import futex
@@ -56,7 +54,7 @@ class _Watcher:
         self.live = 0              # words watched or about to be (under the lock)
         self._ops: List[_Watch] = []   # added (live) or dropped (not live) since the thread looked
         self._bell = ctypes.c_uint32(0)
-        self._ring_due: set = set()    # the loops that will ring the bell at their next iteration
+        self._ring_due = weakref.WeakSet()   # the loops that ring the bell at their next iteration
         self._sleeping = False
         self._words = (futex.WaitV * futex.WAITV_MAX)()
         self._watches: List[Optional[_Watch]] = [None]   # index k watches self._words[k]; 0: the bell

@@ -168,39 +168,6 @@ def test_forward_async_times_out_and_hears_of_a_dead_model_process(start_runtime
     m.close()
 
 
-@needs_waitv
-@pytest.mark.timeout(120)
-def test_a_timeout_while_the_queue_is_full_leaves_a_named_handle_attached(gate):
-    """A forward_async call whose timeout passes while its datagram waits for room in the model's
-    full queue raises TimeoutError; that (an OSError) must not read as "the socket is gone": the
-    handle, attached by name, was marked gone, and every later call of it waited its whole timeout
-    for a successor runtime and raised RuntimeUnavailable while the runtime served."""
-    from simpledbi import Runtime, RuntimeUnavailable
-    from .conftest import FAST
-    name = f"sdbitest-full-{os.getpid()}"
-    with Runtime([cpu_model("g", functools.partial(models.gated, gate.name), max_batch_size=1,
-                            wait_time=0.0)], FAST, name=name):
-        m = SharedModel("g", (1, 3), runtime=name)
-
-        async def main():
-            blocker = asyncio.ensure_future(m.forward_async(np.full((1, 3), models.GATE, np.float32)))
-            await asyncio.to_thread(gate.wait_entered)
-            xs = [np.full((1, 3), k, np.float32) for k in range(100)]   # the socket's queue holds 10
-            outcomes = await asyncio.gather(*[m.forward_async(x, timeout=0.3) for x in xs],
-                                            return_exceptions=True)
-            gate.open()
-            await blocker
-            x = np.full((1, 3), 5.0, np.float32)
-            return outcomes, x, await m.forward_async(x, timeout=30)
-
-        outcomes, x, y = asyncio.run(main())
-        assert all(isinstance(o, TimeoutError) and not isinstance(o, RuntimeUnavailable)
-                   for o in outcomes), outcomes
-        assert not m._h.gone
-        np.testing.assert_array_equal(y, x * 2 + 1)
-        m.close()
-
-
 @pytest.mark.timeout(120)
 def test_a_burst_leaves_its_handle_few_idle_slots_and_room_for_other_clients(start_runtime, gate):
     """A handle closes the slots a burst of calls made beyond _IDLE_KEPT idle ones, so model processes

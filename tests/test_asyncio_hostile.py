@@ -63,10 +63,16 @@ def test_cancellation_storm_every_survivor_gets_its_own_answer(start_runtime, ga
     m.close()
 
 
-def _fill_the_socket(m, n=40):
-    """``n`` calls behind the held one: the socket's queue (10) fills, the rest wait in the sender."""
-    calls = [asyncio.ensure_future(m.forward_async(_x(k), timeout=60)) for k in range(n)]
-    return calls
+async def _hold_and_fill(m, gate, n=40):
+    """A call of ``m`` held in the gated forward pass, and ``n`` calls behind it: the socket's queue
+    (10) fills, the rest wait in the sender. (blocker, fillers)"""
+    blocker = asyncio.ensure_future(m.forward_async(_x(models.GATE)))
+    await asyncio.to_thread(gate.wait_entered)
+    fillers = [asyncio.ensure_future(m.forward_async(_x(k), timeout=60)) for k in range(n)]
+    for _ in range(3):
+        await asyncio.sleep(0)
+    assert m._h._sender is not None and m._h._sender.waiting
+    return blocker, fillers
 
 
 @needs_waitv
@@ -79,12 +85,7 @@ def test_a_timeout_while_waiting_for_room_is_a_timeout_not_a_stopped_runtime(sta
     m = SharedModel("g", (1, 3), namespace=rt.namespace)
 
     async def main():
-        blocker = asyncio.ensure_future(m.forward_async(_x(models.GATE)))
-        await asyncio.to_thread(gate.wait_entered)
-        fillers = _fill_the_socket(m)
-        for _ in range(3):
-            await asyncio.sleep(0)
-        assert m._h._sender is not None and m._h._sender.waiting
+        blocker, fillers = await _hold_and_fill(m, gate)
         try:
             with pytest.raises(TimeoutError, match="queue stayed full"):
                 await m.forward_async(_x(-1), timeout=0.3)
@@ -113,12 +114,7 @@ def test_a_timeout_while_waiting_for_room_leaves_a_named_client_attached(gate):
         m = SharedModel("g", (1, 3), runtime=name, connect_timeout=5)
 
         async def main():
-            blocker = asyncio.ensure_future(m.forward_async(_x(models.GATE)))
-            await asyncio.to_thread(gate.wait_entered)
-            fillers = _fill_the_socket(m)
-            for _ in range(3):
-                await asyncio.sleep(0)
-            assert m._h._sender is not None and m._h._sender.waiting
+            blocker, fillers = await _hold_and_fill(m, gate)
             try:
                 t = time.monotonic()
                 with pytest.raises(TimeoutError):
@@ -136,57 +132,9 @@ def test_a_timeout_while_waiting_for_room_leaves_a_named_client_attached(gate):
         m.close()
 
 
-@needs_waitv
-@pytest.mark.timeout(120)
-def test_close_from_another_thread_while_a_call_publishes_ends_it_at_once(start_runtime, gate, monkeypatch):
-    """close() from another thread between the call's borrow and its first look at the done word
-    (while it publishes or sends: the loop thread runs it without an await, but another thread
-    can take the GIL anywhere in it): the close's wake-up came before the call read the word,
-    so the call slept a whole poll interval (30 s here) before it saw it was closed."""
-    rt = start_runtime(cpu_model("g", functools.partial(models.gated, gate.name), max_batch_size=1,
-                                 wait_time=0.0))
-    m = SharedModel("g", (1, 3), namespace=rt.namespace, poll_interval=30)
-    held = SharedModel("g", (1, 3), namespace=rt.namespace)
-    publish = SharedModel._publish
-
-    def publish_then_closed_elsewhere(self, *args):
-        seq = publish(self, *args)
-        if self is m:
-            closer = threading.Thread(target=self.close)   # what a GIL switch here lets another thread do
-            closer.start()
-            closer.join()
-        return seq
-
-    monkeypatch.setattr(SharedModel, "_publish", publish_then_closed_elsewhere)
-
-    async def main():
-        blocker = asyncio.ensure_future(held.forward_async(_x(models.GATE)))
-        await asyncio.to_thread(gate.wait_entered)   # the model process is busy: nobody answers m
-        t = time.monotonic()
-        try:
-            with pytest.raises(RuntimeStopped):
-                await asyncio.wait_for(m.forward_async(_x(4)), 10)
-            return time.monotonic() - t
-        finally:
-            gate.open()
-            await blocker
-
-    assert asyncio.run(main()) < 10
-    assert not m._h.busy
-    held.close()
-
-
-@needs_waitv
-@pytest.mark.timeout(120)
-def test_close_from_another_thread_before_a_call_queues_for_room_ends_it_at_once(start_runtime, gate,
-                                                                                 monkeypatch):
-    """The same race while the model's queue is full: close()'s wake_all came before the call
-    queued its datagram in the sender, so the call waited for the sender's next look (a poll
-    interval, 30 s here) before it saw it was closed."""
-    rt = start_runtime(cpu_model("g", functools.partial(models.gated, gate.name), max_batch_size=1,
-                                 wait_time=0.0))
-    m = SharedModel("g", (1, 3), namespace=rt.namespace, poll_interval=30)
-    held = SharedModel("g", (1, 3), namespace=rt.namespace)
+def _closed_once_published(m):
+    """SharedModel._publish, after which handle ``m`` is closed from another thread (what a GIL
+    switch there lets another thread do)."""
     publish = SharedModel._publish
 
     def publish_then_closed_elsewhere(self, *args):
@@ -196,15 +144,32 @@ def test_close_from_another_thread_before_a_call_queues_for_room_ends_it_at_once
             closer.start()
             closer.join()
         return seq
+    return publish_then_closed_elsewhere
+
+
+@needs_waitv
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("queue_full", [False, True])
+def test_close_from_another_thread_while_a_call_publishes_ends_it_at_once(start_runtime, gate, monkeypatch,
+                                                                          queue_full):
+    """close() from another thread between the call's borrow and its first look at the done word
+    (while it publishes or sends: the loop thread runs it without an await, but another thread
+    can take the GIL anywhere in it): the close's wake-up came before the call read the word,
+    so the call slept a whole poll interval (30 s here) before it saw it was closed. The same
+    race while the model's queue is full (``queue_full``): close()'s wake_all came before the
+    call queued its datagram in the sender, which looks again only a poll interval later."""
+    rt = start_runtime(cpu_model("g", functools.partial(models.gated, gate.name), max_batch_size=1,
+                                 wait_time=0.0))
+    m = SharedModel("g", (1, 3), namespace=rt.namespace, poll_interval=30)
+    held = SharedModel("g", (1, 3), namespace=rt.namespace)
 
     async def main():
-        blocker = asyncio.ensure_future(held.forward_async(_x(models.GATE)))
-        await asyncio.to_thread(gate.wait_entered)
-        fillers = _fill_the_socket(held)   # the model's socket queue is full: m's datagram must wait
-        for _ in range(3):
-            await asyncio.sleep(0)
-        assert held._h._sender is not None and held._h._sender.waiting
-        monkeypatch.setattr(SharedModel, "_publish", publish_then_closed_elsewhere)
+        if queue_full:
+            blocker, fillers = await _hold_and_fill(held, gate)   # m's datagram must wait for room too
+        else:
+            blocker, fillers = asyncio.ensure_future(held.forward_async(_x(models.GATE))), []
+            await asyncio.to_thread(gate.wait_entered)   # the model process is busy: nobody answers m
+        monkeypatch.setattr(SharedModel, "_publish", _closed_once_published(m))
         t = time.monotonic()
         try:
             with pytest.raises(RuntimeStopped):
