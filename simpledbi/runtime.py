@@ -37,6 +37,10 @@ from .supervisor import Supervision, _ModelProc
 from .worker_group import Workers
 
 logger = logging.getLogger(__name__)
+#: Runtimes this process started and has not shut down: a notebook cell that starts one, run
+#: again, starts a second beside the first (which runs, holding its memory and GPU, until the
+#: process exits): start() says so.
+_started_here: "weakref.WeakSet[Runtime]" = weakref.WeakSet()
 
 
 class Runtime(Supervision, Reloads, Workers):
@@ -101,6 +105,15 @@ class Runtime(Supervision, Reloads, Workers):
         if self.name is not None:   # at once, before a janitor and a namespace (the claim below decides)
             naming.refuse_if_live(naming.resolve(self.name), self.name)
         self._started, self._owner = True, os.getpid()
+        twins = [rt for rt in list(_started_here) if not rt._closed and rt._owner == self._owner and
+                 {m.name for m in rt.models} == {m.name for m in self.models}]
+        if twins:
+            logger.warning("this process already runs a Runtime of the same models (%s, namespace %s), "
+                           "started before and not shut down (a notebook cell run again?): it keeps "
+                           "running until this process exits; call its shutdown(), or start runtimes "
+                           "with `with Runtime(...) as rt:`", ", ".join(m.name for m in self.models),
+                           twins[0].namespace)
+        _started_here.add(self)
         _forget_children_in_forks()
         # A script that ends (or raises) without shutdown() hung for good: at exit multiprocessing
         # joins its children, the janitor among them, which waits for us. This runs first (LIFO).

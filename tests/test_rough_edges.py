@@ -201,3 +201,24 @@ def test_pool_workers_that_exit_holding_handles_log_nothing_at_info(start_runtim
         assert pool.map(_pool_call, [rt.namespace] * 6) == [3.0] * 6
     _until(lambda: int(rt.ctls["affine"].instances["clients"].max()) == 0, what="slots dropped")
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO] == []
+
+
+# 11 -------------------------------------------------------------------------------------------
+def test_a_second_runtime_of_the_same_models_in_one_process_is_pointed_out(start_runtime, caplog):
+    """A notebook cell that starts a Runtime, run again, starts a second beside the first, which
+    runs (its memory, its GPU) until the kernel exits: the second's start says so. Runtimes of
+    other models, or after the first was shut down, are not pointed out."""
+    caplog.set_level(logging.WARNING, logger="simpledbi.runtime")
+
+    def twin_warnings():
+        return [r.getMessage() for r in caplog.records if "already runs a Runtime" in r.getMessage()]
+
+    first = start_runtime(cpu_model("affine", models.affine))
+    start_runtime(cpu_model("other", models.affine))   # other models: nothing to say
+    assert twin_warnings() == []
+    second = start_runtime(cpu_model("affine", models.affine))
+    assert len(twin_warnings()) == 1 and first.namespace in twin_warnings()[0], twin_warnings()
+    first.shutdown()
+    second.shutdown()
+    start_runtime(cpu_model("affine", models.affine))   # the others are shut down: nothing to say
+    assert len(twin_warnings()) == 1
