@@ -277,8 +277,9 @@ class SharedModel(Inputs):
         """``await``-able :meth:`forward`: the event loop never blocks, and concurrent coroutines
         of one process are batched together. The request is sent from the loop (by the handle's
         sender thread while the model's queue is full: sender.py) and its answer awaited there (a
-        watcher thread per 127 calls in flight sees it arrive: watchers.py). Cancelling the coroutine withdraws the request if no model process has taken it yet, else
-        abandons its result (its slot is lent again once the answer has arrived)."""
+        watcher thread per 127 calls in flight sees it arrive: watchers.py). Cancelling the
+        coroutine withdraws the request if no model process has taken it yet, else abandons its
+        result (its slot is lent again once the answer has arrived)."""
         timeout = self._h.default_timeout if timeout is None else _check_timeout(timeout)
         t_call = time.monotonic()   # its timeout counts from now, whatever runs it
         # (a client that sends its slot's descriptor with each datagram waits in a thread: the
@@ -388,7 +389,8 @@ class SharedModel(Inputs):
             out = fn(*args, cancel=cancel, **kw)
             return out, self._last.get(None)   # set by this executor thread's own call
         try:   # (shielded: a thread that has not started yet still runs, to give up what it holds)
-            out, timing = await asyncio.shield(asyncio.get_running_loop().run_in_executor(_async_executor(), call))
+            out, timing = await asyncio.shield(
+                asyncio.get_running_loop().run_in_executor(_async_executor(), call))
         except asyncio.CancelledError:
             cancel.cancel()   # the waiting thread takes the request back, if nobody took it yet
             raise
@@ -536,7 +538,8 @@ class SharedModel(Inputs):
         within = _within(slot.call_timeout)
         if slot.withdraw():
             raise TimeoutError(f"model {self.name!r}: no result within the timeout ({within}{unsent})")
-        raise TimeoutError(f"model {self.name!r}: no result within the timeout{_within(slot.call_timeout, '')}; "
+        raise TimeoutError(f"model {self.name!r}: no result within the timeout"
+                           f"{_within(slot.call_timeout, '')}; "
                            f"a model process took the request: if it is being computed, its late result "
                            f"will be discarded, else it will not run")
 

@@ -75,7 +75,8 @@ class Sender:
     def __init__(self, sock: socket.socket, look: float):
         self._sock = sock
         sec = int(look)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", sec, int((look - sec) * 1e6)))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
+                        struct.pack("ll", sec, int((look - sec) * 1e6)))
         self._lock = threading.Lock()
         self._more = threading.Condition(self._lock)
         self._queue: collections.deque = collections.deque()
