@@ -307,7 +307,12 @@ class SharedModel(Inputs, LoopCalls):
         cancel = _Cancel()
 
         def call():
-            out = fn(*args, cancel=cancel, **kw)
+            try:
+                out = fn(*args, cancel=cancel, **kw)
+            except BaseException:
+                if cancel.cancelled:   # nobody awaits it: asyncio.shield no longer looks at this
+                    return None, None  # future, and would log its exception as never retrieved
+                raise
             return out, self._last.get(None)   # set by this executor thread's own call
         try:   # (shielded: a thread that has not started yet still runs, to give up what it holds)
             out, timing = await asyncio.shield(

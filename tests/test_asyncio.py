@@ -4,6 +4,7 @@
 import asyncio
 import ctypes
 import functools
+import gc
 import math
 import os
 import random
@@ -202,3 +203,40 @@ def test_a_burst_leaves_its_handle_few_idle_slots_and_room_for_other_clients(sta
     burst(b, 100)   # 40 more slots: 16 + 40 <= 64
     a.close()
     b.close()
+
+
+@pytest.mark.timeout(120)
+def test_cancelled_forward_async_calls_leave_no_unretrieved_exceptions(start_runtime, gate, async_mode):
+    """Cancelled calls end quietly. In a thread (the fallback) each one's thread still ended with
+    RuntimeStopped, in a future asyncio.shield had stopped watching: asyncio logged "Future exception
+    was never retrieved" with a traceback, once per cancelled call (167 of 200)."""
+    rt = start_runtime(cpu_model("g", functools.partial(models.gated, gate.name), max_batch_size=1,
+                                 wait_time=0.0))
+    m = SharedModel("g", (1, 3), namespace=rt.namespace)
+    seen = []
+
+    async def main():
+        asyncio.get_running_loop().set_exception_handler(lambda loop, context: seen.append(context))
+        held = asyncio.ensure_future(m.forward_async(np.full((1, 3), models.GATE, np.float32)))
+        await asyncio.to_thread(gate.wait_entered)
+        calls = [asyncio.ensure_future(m.forward_async(np.full((1, 3), k, np.float32))) for k in range(20)]
+        await asyncio.sleep(0.1)   # (not a synchronisation: they end cancelled however far they got)
+        for call in calls + [held]:
+            call.cancel()
+        outcomes = await asyncio.gather(*calls, held, return_exceptions=True)
+        assert all(isinstance(o, asyncio.CancelledError) for o in outcomes), outcomes
+        gate.open()
+        deadline = time.monotonic() + 30   # every call's thread (or the loop) gives its slot back
+        while m._h.busy:
+            assert time.monotonic() < deadline, m._h.busy
+            await asyncio.sleep(0.01)
+        for _ in range(10):   # what the threads' ends scheduled in the loop runs
+            await asyncio.sleep(0)
+        del calls, held, outcomes
+        gc.collect()
+
+    asyncio.run(main())
+    assert not seen, [c.get("message") for c in seen]
+    x = np.full((1, 3), 5.0, np.float32)   # the handle still serves
+    np.testing.assert_array_equal(asyncio.run(m.forward_async(x, timeout=30)), x * 2 + 1)
+    m.close()
