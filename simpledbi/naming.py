@@ -56,7 +56,7 @@ from .shm import SHM_DIR, pid_alive
 logger = logging.getLogger(__name__)
 
 REG_PREFIX = "sdbi_rt_"
-NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_\-]{0,47}$")
+NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_\-]{0,47}\Z")   # (\Z: "$" lets a final newline in)
 #: Clients without ``namespace=``/``runtime=`` attach to the runtime named here.
 ENV_RUNTIME = "SIMPLEDBI_RUNTIME"
 #: The registry directory, instead of the chain of NOTE [registry directory].

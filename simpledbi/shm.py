@@ -25,7 +25,7 @@ import numpy as np
 logger = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm"
-NAMESPACE_RE = re.compile(r"^sdbi_(\d+)_[0-9a-f]+$")
+NAMESPACE_RE = re.compile(r"sdbi_(\d+)_[0-9a-f]+\Z")
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL
 _O_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 

@@ -22,7 +22,7 @@ import types
 from typing import Any, Callable, Optional, Tuple
 
 #: ``package.module:function`` (the function may be ``Class.method``)
-_REF = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
+_REF = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*\Z")
 
 _NOTEBOOK_EXTRA = "pip install 'simpledbi[notebook]'"
 

@@ -12,6 +12,7 @@ def ok(**kw):
 
 @pytest.mark.parametrize("kw,exc,words", [
     (dict(name="a b"), ValueError, "letters, digits"),
+    (dict(name="m\n"), ValueError, "letters, digits"),   # (a regex "$" let a final newline in)
     (dict(name=3), TypeError, "expected str"),
     (dict(path="x.pt"), ValueError, "exactly one of path= or factory="),
     (dict(factory=None), ValueError, "exactly one of path= or factory="),
