@@ -190,7 +190,7 @@ class Intake:
 
     def _open(self, pid: int, fd_no: int, token: int, fd: Optional[int]) -> Optional[Peer]:
         if len(self.peers) >= self.max_clients:
-            self.prune()
+            self._make_room()
         try:
             peer = Peer(pid, fd_no, token, os.dup(fd) if fd is not None else None)
         except (OSError, ValueError) as e:
@@ -207,6 +207,19 @@ class Intake:
         self._inst[_INST_CLIENTS] = len(self.peers)
         self.on_new_peer(peer)
         return peer
+
+    def _make_room(self) -> None:
+        """At max_clients, unmap a slot with no request held here: one its client closed, else the one
+        answered longest ago (its client may use it again: it is mapped again then). So only slots with
+        a request here count: the idle slots a handle keeps (client._IDLE_KEPT) never take a newcomer's
+        place (they did: a handle's 16 idle ones and those closed since the last prune left a second
+        handle's calls SlotsExhausted)."""
+        idle = [(not peer.closed(), peer.answered_at, key) for key, peer in self.peers.items()
+                if not peer.inflight]
+        if idle:
+            peer = self.peers.pop(min(idle)[2])
+            self.on_drop(peer)
+            peer.close()
 
     def _sibling(self, pid: int) -> bool:
         """Is ``pid`` a model process of this model (either bank, in any state: one that died after handing
