@@ -69,13 +69,10 @@ def test_fastapi_example_batches_across_web_workers_over_http():
     name = f"web{os.getpid()}-{secrets.token_hex(3)}"
     port = _free_port()
     env = {**os.environ, "SIMPLEDBI_RUNTIME": name, "SIMPLEDBI_TIMEOUT": "30"}
-    serve = subprocess.Popen([sys.executable, "-m", "simpledbi", "serve", "--config",
-                              "examples/fastapi_app/serve.toml", "--name", name, "--device", "cpu"],
-                             cwd=ROOT, env=env, text=True, stdout=subprocess.DEVNULL,
-                             stderr=subprocess.PIPE)
-    web = None
+    web = serve = None
     try:
-        _wait_lines(serve, "ready")
+        # The web app first: it starts, and answers 503 with Retry-After, before the runtime does
+        # (it attached at start-up, waiting 60 s, then every web worker exited).
         web = subprocess.Popen([sys.executable, "-m", "uvicorn", "examples.fastapi_app.app:app",
                                 "--workers", str(WORKERS), "--host", "127.0.0.1", "--port", str(port),
                                 # idle pooled connections stay open for the whole test: uvicorn's 5 s
@@ -86,6 +83,14 @@ def test_fastapi_example_batches_across_web_workers_over_http():
                                stderr=subprocess.PIPE)
         _wait_lines(web, "Application startup complete", WORKERS)
         url = f"http://127.0.0.1:{port}"
+        early = httpx.post(f"{url}/predict", json={"inputs": [[1.0] * 16]}, timeout=60)
+        assert early.status_code == 503 and "Retry-After" in early.headers, early.text
+        assert httpx.get(f"{url}/health", timeout=30).status_code == 503
+        serve = subprocess.Popen([sys.executable, "-m", "simpledbi", "serve", "--config",
+                                  "examples/fastapi_app/serve.toml", "--name", name, "--device", "cpu"],
+                                 cwd=ROOT, env=env, text=True, stdout=subprocess.DEVNULL,
+                                 stderr=subprocess.PIPE)
+        _wait_lines(serve, "ready")
 
         rng = np.random.default_rng(0)
         xs = [rng.standard_normal((int(rng.integers(1, 4)), 16)).astype(np.float32) for _ in range(400)]
@@ -132,7 +137,8 @@ def test_fastapi_example_batches_across_web_workers_over_http():
     finally:
         if web is not None:
             _stop(web, signal.SIGINT)
-        _stop(serve)
+        if serve is not None:
+            _stop(serve)
 
 
 def test_the_example_answers_overloaded_with_503_and_retry_after():

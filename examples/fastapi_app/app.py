@@ -3,14 +3,16 @@
     simpledbi serve --config examples/fastapi_app/serve.toml &
     SIMPLEDBI_RUNTIME=fastapi-demo uvicorn examples.fastapi_app.app:app --workers 4
 
-Each uvicorn worker process attaches to the runtime by name once; every request handler awaits
-``forward_async``, so concurrent requests of all workers are batched together. Errors map to HTTP:
-400 bad input, 500 the model raised, 503 the model or runtime is down -- or overloaded: refused
-at once, with ``Retry-After`` (README "Overload"), or more requests in flight than the model's
-``max_clients`` slots --, 504 timeout.
+Each uvicorn worker process attaches to the runtime by name once, at its first request (so the
+app starts, and answers 503, before the runtime does or while it loads); every request handler
+awaits ``forward_async``, so concurrent requests of all workers are batched together. Errors map
+to HTTP: 400 bad input, 500 the model raised, 503 the model or runtime is down or not started yet
+-- or overloaded: refused at once, with ``Retry-After`` (README "Overload"), or more requests in
+flight than the model's ``max_clients`` slots --, 504 timeout.
 """
 from __future__ import annotations
 
+import asyncio
 import os
 from contextlib import asynccontextmanager
 from typing import List, Optional
@@ -20,11 +22,16 @@ from fastapi import FastAPI, HTTPException
 from pydantic import BaseModel
 
 import simpledbi
-from simpledbi import ModelError, ModelProcessDied, Overloaded, RuntimeStopped, SharedModel, SlotsExhausted
+from simpledbi import (ModelError, ModelProcessDied, Overloaded, RuntimeStopped, RuntimeUnavailable, SharedModel,
+                       SlotsExhausted)
 
 MODEL = os.environ.get("SIMPLEDBI_MODEL", "mlp")
 MAX_ROWS = 16
 TIMEOUT = float(os.environ.get("SIMPLEDBI_TIMEOUT", "10"))
+#: How long a request waits for the runtime to be there before it is answered 503: a web worker that
+#: waited out each request's timeout for a runtime still loading (or one never started) would hold
+#: its connections that long; a load balancer retries a 503.
+ATTACH_WAIT = float(os.environ.get("SIMPLEDBI_ATTACH_WAIT", "2"))
 
 
 class PredictRequest(BaseModel):
@@ -42,14 +49,32 @@ class PredictResponse(BaseModel):
 
 @asynccontextmanager
 async def lifespan(app: FastAPI):
-    # One handle per web worker: it waits for the runtime (connect_timeout) and re-attaches by
-    # itself when the runtime restarts.
-    app.state.model = SharedModel(MODEL, (MAX_ROWS, 16), connect_timeout=60)
+    app.state.model = app.state.attaching = None
     yield
-    app.state.model.close()
+    if app.state.model is not None:
+        app.state.model.close()
 
 
 app = FastAPI(title="simpledbi FastAPI example", lifespan=lifespan)
+
+
+async def attached() -> SharedModel:
+    """This web worker's handle, made at a request (attached, it re-attaches by itself when the
+    runtime restarts). One attempt at a time: the requests that come meanwhile share its outcome,
+    rather than each waiting ATTACH_WAIT in turn for a runtime that is not there."""
+    if app.state.model is None:
+        if app.state.attaching is None:   # (attaching waits for the runtime: not in the loop)
+            app.state.attaching = asyncio.ensure_future(asyncio.to_thread(
+                SharedModel, MODEL, (MAX_ROWS, 16), connect_timeout=ATTACH_WAIT))
+            app.state.attaching.add_done_callback(_attach_done)
+        return await asyncio.shield(app.state.attaching)
+    return app.state.model
+
+
+def _attach_done(attempt: asyncio.Future) -> None:
+    app.state.attaching = None
+    if not attempt.cancelled() and attempt.exception() is None:
+        app.state.model = attempt.result()
 
 
 def http_error(e: BaseException) -> HTTPException:
@@ -62,6 +87,8 @@ def http_error(e: BaseException) -> HTTPException:
         return HTTPException(503, str(e), headers={"Retry-After": str(max(1, round(e.retry_after)))})
     if isinstance(e, SlotsExhausted):   # more calls in flight than ModelConfig.max_clients: retry
         return HTTPException(503, str(e), headers={"Retry-After": "1"})
+    if isinstance(e, RuntimeUnavailable):   # before RuntimeStopped and TimeoutError: it is both
+        return HTTPException(503, str(e), headers={"Retry-After": str(max(1, round(ATTACH_WAIT)))})
     if isinstance(e, (ModelProcessDied, RuntimeStopped)):
         return HTTPException(503, str(e))
     if isinstance(e, TimeoutError):
@@ -71,8 +98,8 @@ def http_error(e: BaseException) -> HTTPException:
 
 @app.post("/predict", response_model=PredictResponse)
 async def predict(req: PredictRequest) -> PredictResponse:
-    model: SharedModel = app.state.model
     try:
+        model = await attached()
         try:
             x = np.asarray(req.inputs, dtype=np.float32)
         except ValueError:
@@ -93,7 +120,7 @@ async def predict(req: PredictRequest) -> PredictResponse:
 def health():
     """200 while the model serves, 503 otherwise (for a load balancer's probe)."""
     try:
-        info = simpledbi.inspect(app.state.model.runtime)
+        info = simpledbi.inspect()   # ($SIMPLEDBI_RUNTIME)
     except LookupError as e:
         raise HTTPException(503, str(e)) from e
     if not info.ready:
