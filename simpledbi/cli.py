@@ -41,7 +41,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 0
     except (ValueError, TypeError, LookupError, OSError, RuntimeError, SimpleDBIError, ImportError,
             tomllib.TOMLDecodeError) as e:
-        print(f"simpledbi {args.command}: {e}", file=sys.stderr)
+        where = getattr(e, "remote_traceback", "")   # a model process's (a factory that raised)
+        print((where.rstrip() + "\n\n" if where else "") + f"simpledbi {args.command}: {e}", file=sys.stderr)
         return 2
 
 

@@ -483,6 +483,20 @@ def test_a_model_value_that_is_neither_a_file_nor_a_factory_or_could_be_both_say
         load("mlp=mymodels.build")
 
 
+@pytest.mark.timeout(120)
+def test_serve_shows_where_a_factory_failed(tmp_path):
+    """The model process's traceback, down to the factory's line (it printed only "KeyError:
+    'weights'", even with --log-level DEBUG; Runtime showed it)."""
+    (tmp_path / "broken_models.py").write_text("def build():\n    cfg = {'weight': 1}\n"
+                                               "    return cfg['weights']\n")
+    out = subprocess.run([sys.executable, "-m", "simpledbi", "serve", "--name", _name(), "--model",
+                          "net=broken_models:build", "--device", "cpu"], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=100, env={**os.environ, "PYTHONPATH": ROOT})
+    assert out.returncode == 2, out.stderr
+    assert "broken_models.py\", line 3, in build" in out.stderr, out.stderr
+    assert out.stderr.rstrip().endswith("failed to load: KeyError: 'weights'"), out.stderr
+
+
 # ---------------------------------------------------------------- looking inside
 @pytest.mark.timeout(120)
 def test_inspect_and_status_read_a_runtime_without_taking_a_slot(gate):
