@@ -185,6 +185,16 @@ class SharedModel(Inputs, LoopCalls):
             self.close()
             raise
 
+    def __reduce__(self):
+        """Sent to another process (a multiprocessing Pool task, a DataLoader worker's dataset, any
+        pickle or deepcopy), a handle arrives as a new one on the same model and runtime, with
+        slots of its own: slots and calls in flight are this process's."""
+        max_shape, dtype = self._args
+        where = {"runtime": self.runtime} if self.runtime is not None else {"namespace": self.namespace}
+        return _attach, (self.name, max_shape, dtype, dict(
+            where, poll_interval=self.poll_interval, connect_timeout=self.connect_timeout,
+            priority=self.priority))
+
     @property
     def ctl(self) -> ControlBlock:
         return self._h.ctl
@@ -513,6 +523,11 @@ class SharedModel(Inputs, LoopCalls):
             raise ModelProcessDied(ctl.message() or f"model {self.name!r}: the runtime is broken",
                                    int(ctl.hdr["broken_code"]) or None)
         self._stopped(h, "the runtime has stopped or is stopping")
+
+
+def _attach(name: str, max_shape, dtype, kw: dict) -> SharedModel:
+    """A pickled SharedModel, in the process that loads it (SharedModel.__reduce__)."""
+    return SharedModel(name, max_shape, dtype, **kw)
 
 
 def _overloaded(name: str, why: Refusal, timeout: Optional[float], t_call: float,

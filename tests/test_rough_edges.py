@@ -222,3 +222,27 @@ def test_a_second_runtime_of_the_same_models_in_one_process_is_pointed_out(start
     second.shutdown()
     start_runtime(cpu_model("affine", models.affine))   # the others are shut down: nothing to say
     assert len(twin_warnings()) == 1
+
+
+def _forward_in_worker(m: SharedModel, v: float):
+    return os.getpid(), m.forward(np.full((1, 2), v, np.float32), timeout=60)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("method", ["spawn", "fork"])
+def test_a_handle_sent_to_pool_workers_attaches_there(start_runtime, method):
+    """A SharedModel passed to a Pool's task (pickled) arrives attached to the same model, with slots
+    of its own (it raised "TypeError: cannot pickle 'mmap.mmap' object")."""
+    rt = start_runtime(cpu_model("affine", models.affine, max_batch_size=4))
+    m = SharedModel("affine", (1, 2), namespace=rt.namespace, priority=3)
+    copy = __import__("copy").deepcopy(m)
+    assert copy is not m and copy.namespace == m.namespace and copy.priority == 3
+    np.testing.assert_array_equal(copy.forward(np.ones((1, 2), np.float32)), np.full((1, 2), 3.0))
+    copy.close()
+    with mp.get_context(method).Pool(2) as pool:
+        out = pool.starmap(_forward_in_worker, [(m, float(v)) for v in range(8)])
+    assert len({pid for pid, _ in out} - {os.getpid()}) >= 1
+    for v, (_, y) in enumerate(out):
+        np.testing.assert_array_equal(y, np.full((1, 2), 2.0 * v + 1))
+    np.testing.assert_array_equal(m.forward(np.ones((1, 2), np.float32)), np.full((1, 2), 3.0))
+    m.close()
