@@ -210,6 +210,16 @@ def test_model_that_fails_to_load_is_reported(start_runtime, tmp_path):
         ok.start()
 
 
+def test_a_warm_up_that_fails_on_the_declared_input_shapes_says_so(start_runtime):
+    """(It read as the factory's failure: "failed to load: RuntimeError: mat1 and mat2 shapes ...")."""
+    rt = Runtime([ModelConfig(name="m", factory=models.multi_io, device="cpu", max_batch_size=4,
+                              input_shapes=[(3,)])], FAST)
+    with pytest.raises(ModelError, match=r"failed to load: RuntimeError: the model loaded, but its warm-up on "
+                                         r"zeros of the declared input_shapes \[\(3,\)\] \(float32; batches "
+                                         r"of 4 and 1 rows\) failed: TypeError"):
+        rt.start()
+
+
 def test_what_a_model_process_could_not_load_is_refused_before_starting_one(tmp_path, monkeypatch):
     # A missing file or a factory that cannot be pickled failed seconds later, in a model
     # process, with a raw PicklingError for the lambda. (With cloudpickle, a lambda is sent by
