@@ -24,6 +24,10 @@ def janitor_main(namespace: str, conn, grace: float, main_pid: int, forked_end=N
     child_signals()
     # A signal to the whole process group (a notebook kernel's shutdown or restart, systemd, ``kill
     # -TERM -PGID``) ends the main process without its clean-up: the janitor outlives it to do that.
+    # A session of its own keeps it out of the group: SIGKILL to it (jupyter_client's shutdown and
+    # restart with now=True, ``timeout -s KILL``) left the namespace and the name behind.
+    with contextlib.suppress(OSError):
+        os.setsid()
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):   # (SIGQUIT: Ctrl-backslash)
         signal.signal(sig, signal.SIG_IGN)
     if forked_end is not None:

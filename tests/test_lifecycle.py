@@ -173,17 +173,19 @@ def test_sigterm_while_a_model_process_is_being_started_is_clean(tmp_path, how, 
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("start_method,to_group", [("spawn", True), ("fork", True), ("fork", False)])
-def test_a_runtime_killed_by_a_signal_leaves_nothing_behind(start_method, to_group):
+@pytest.mark.parametrize("start_method,to_group,sig", [
+    ("spawn", True, signal.SIGTERM), ("fork", True, signal.SIGTERM), ("fork", False, signal.SIGKILL),
+    ("spawn", True, signal.SIGKILL)])
+def test_a_runtime_killed_by_a_signal_leaves_nothing_behind(start_method, to_group, sig):
     # SIGTERM to the group is what a notebook kernel's shutdown or restart does (and systemd, or
     # `kill -TERM -PGID`): the main process (a Runtime, no handler of ours) dies without atexit,
     # and so did the janitor. Under fork, the model processes hold the main process's end of the
-    # janitor's pipe too: the janitor never saw it close, and cleaned up nothing.
+    # janitor's pipe too: the janitor never saw it close, and cleaned up nothing. SIGKILL to the
+    # group (jupyter_client's now=True, `timeout -s KILL`) killed the janitor too.
     from simpledbi.naming import registration_path
     name = f"lifecycle-{os.getpid()}"
     proc = subprocess.Popen([sys.executable, "-m", "tests.apps.app", "runtime", name, start_method], cwd=ROOT,
                             text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
-    sig = signal.SIGTERM if to_group else signal.SIGKILL
     try:
         _wait_line(proc, "READY")
         assert ours(proc.pid) != [] and os.path.exists(registration_path(name))
