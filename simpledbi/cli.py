@@ -39,6 +39,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except BrokenPipeError:  # `simpledbi status --json | head`
         sys.stderr.close()
         return 0
+    except KeyboardInterrupt:  # Ctrl-C before a command handles it (serve: importing the models' modules)
+        print(f"simpledbi {args.command}: interrupted", file=sys.stderr)
+        return 130
     except (ValueError, TypeError, LookupError, OSError, RuntimeError, SimpleDBIError, ImportError,
             tomllib.TOMLDecodeError) as e:
         where = getattr(e, "remote_traceback", "")   # a model process's (a factory that raised)

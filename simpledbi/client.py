@@ -699,7 +699,7 @@ class _Handles:
         pause, told = 0.01, False
         while True:
             reg, starting = naming.resolve(model.runtime), False   # (as last seen)
-            if reg is None and not told and avoid is None:
+            if reg is None and not told and avoid is None and deadline > time.monotonic():
                 told = True   # a typo would otherwise be connect_timeout seconds of silence
                 logger.warning("no simpledbi runtime named %r is running yet; waiting up to %.3g s "
                                "for it (connect_timeout)", model.runtime, deadline - time.monotonic())

@@ -497,6 +497,29 @@ def test_serve_shows_where_a_factory_failed(tmp_path):
     assert out.stderr.rstrip().endswith("failed to load: KeyError: 'weights'"), out.stderr
 
 
+@pytest.mark.timeout(120)
+def test_ctrl_c_while_serve_imports_the_models_module_prints_no_traceback(tmp_path):
+    (tmp_path / "slow_models.py").write_text(
+        "import pathlib, time\npathlib.Path('importing').write_text('')\ntime.sleep(60)\n"
+        "def build():\n    return None\n")
+    proc = subprocess.Popen([sys.executable, "-m", "simpledbi", "serve", "--name", _name(), "--model",
+                             "net=slow_models:build", "--device", "cpu"], cwd=tmp_path, text=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            env={**os.environ, "PYTHONPATH": ROOT})
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "importing").exists():   # a bounded wait on a file
+            assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
+            threading.Event().wait(0.02)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 130 and err.strip() == "simpledbi serve: interrupted", err
+
+
 # ---------------------------------------------------------------- looking inside
 @pytest.mark.timeout(120)
 def test_inspect_and_status_read_a_runtime_without_taking_a_slot(gate):
