@@ -45,7 +45,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (ValueError, TypeError, LookupError, OSError, RuntimeError, SimpleDBIError, ImportError,
             tomllib.TOMLDecodeError) as e:
         where = getattr(e, "remote_traceback", "")   # a model process's (a factory that raised)
-        print((where.rstrip() + "\n\n" if where else "") + f"simpledbi {args.command}: {e}", file=sys.stderr)
+        if where:
+            print(where.rstrip() + "\n", file=sys.stderr)
+        print(f"simpledbi {args.command}: {e}", file=sys.stderr)
         return 2
 
 

@@ -180,13 +180,13 @@ class ModelServer(Holding):
         if cfg.input_shapes:
             in_dtypes = cfg.input_dtypes or ("float32",) * len(cfg.input_shapes)
             # Declared names: clients will pass inputs by name, so warm up (and capture) that way.
-            sizes = sorted({self.max_batch, 1}, reverse=True)
+            warm_sizes = sorted({self.max_batch, 1}, reverse=True)
             try:
-                self.engine.warm_up(cfg.input_shapes, in_dtypes, sizes, cfg.input_names)
+                self.engine.warm_up(cfg.input_shapes, in_dtypes, warm_sizes, cfg.input_names)
             except Exception as e:   # (else it read as the factory's failure)
                 raise RuntimeError(f"the model loaded, but its warm-up on zeros of the declared input_shapes "
                                    f"{[tuple(s) for s in cfg.input_shapes]} ({', '.join(map(str, in_dtypes))}; "
-                                   f"batches of {' and '.join(map(str, sizes))} rows) failed: "
+                                   f"batches of {' and '.join(map(str, warm_sizes))} rows) failed: "
                                    f"{type(e).__name__}: {e}") from e
             sizes = cfg.graph_batch_sizes()
             if sizes and self.engine.cuda:
