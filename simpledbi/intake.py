@@ -290,9 +290,11 @@ def wake_datagram() -> bytes:
     return REQ_PREFIX.pack(WAKE_MAGIC, -1, 0, 0, 0, 0.0, 0.0, 0, 0)
 
 
-def answer_queued(sock: socket.socket, status: int, text: str, most: int = 100000) -> int:
+def answer_queued(sock: socket.socket, status: int, text: str, most: int = 100000,
+                  counters: Optional[np.ndarray] = None) -> int:
     """Answer every request still queued on a model's socket with ``status`` (the runtime, when
-    no model process will take them: stopping, or the model is broken); returns how many."""
+    no model process will take them: stopping, or the model is broken); returns how many.
+    ``counters``: a row of the control block whose ``died`` counts each, before its caller wakes."""
     peers: Dict[Tuple[int, int], Peer] = {}
     n = 0
     try:
@@ -318,6 +320,8 @@ def answer_queued(sock: socket.socket, status: int, text: str, most: int = 10000
                     except (OSError, ValueError):
                         continue
                 if peer.claim(seq, -1, os.getpid()):
+                    if counters is not None:
+                        counters["died"] += 1
                     peer.respond(seq, status, text, claimer=-1)
                     n += 1
             finally:
@@ -330,7 +334,8 @@ def answer_queued(sock: socket.socket, status: int, text: str, most: int = 10000
 
 
 def answer_held(ctl: ControlBlock, row: int, pid: int, status: int, text: str) -> int:
-    """Answer what a dead model process (``pid``, row ``row``) held, from its HELD rows; returns how many."""
+    """Answer what a dead model process (``pid``, row ``row``) held, from its HELD rows; returns how many,
+    counted in its row's ``died`` (before each caller wakes: stats() then includes its own call)."""
     n = 0
     for fd_no, token, seq, client in ctl.held[row].tolist():   # (a copy: HELD's fields, in order)
         if client <= 0:
@@ -343,6 +348,7 @@ def answer_held(ctl: ControlBlock, row: int, pid: int, status: int, text: str) -
             claim = struct.unpack_from("<qqq", peer.seg.buf, CLAIM_OFF)
             if claim[1] == pid and claim[2] == seq and not peer.answered(seq):
                 peer.take_ticket(seq)   # offered again if it died handing it back
+                ctl.counters[row]["died"] += 1   # (the dead process's row: it writes no more)
                 peer.respond(seq, status, text, claimer=row)
                 n += 1
         finally:

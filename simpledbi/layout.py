@@ -116,7 +116,8 @@ COUNTERS = np.dtype([
     ("requests", "<i8"), ("batches", "<i8"), ("rows", "<i8"), ("errors", "<i8"),
     ("ring_head", "<i8"), ("isolated", "<i8"), ("bad_requests", "<i8"), ("over_target", "<i8"),
     ("withdrawn", "<i8"), ("expired", "<i8"), ("shed_deadline", "<i8"), ("shed_queue", "<i8"),
-    ("reserved", "<i8", (4,)),   # 128 bytes a row
+    ("died", "<i8"),              # answered ModelProcessDied by the supervisor (the process is gone)
+    ("reserved", "<i8", (3,)),   # 128 bytes a row
 ])
 # batch record fields (seconds unless noted): where a batch's time went
 B_FIELDS = ("t_close", "rows", "requests", "queue_wait", "gather", "h2d", "forward", "d2h",

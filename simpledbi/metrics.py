@@ -3,7 +3,8 @@
 A ``prometheus_client`` *custom collector* reads, per scrape, the counters and histograms the model
 processes keep anyway (status.py): no per-request cost, no multiprocess-mode directory, nothing to clean
 up. Names follow Triton's (a dashboard built for one reads the other with a rename); ``_FAMILIES`` lists
-them. Labels: ``reason`` is model_error | bad_request for failures, deadline | queue for refusals."""
+them. Labels: ``reason`` is model_error | bad_request | process_died for failures, deadline | queue for
+refusals."""
 from __future__ import annotations
 
 from typing import Optional
@@ -31,7 +32,8 @@ _FAMILIES = (
     (_C, "simpledbi_request_success", "Requests answered with a result", (),
      lambda m: [((), m.requests - m.errors)]),
     (_C, "simpledbi_request_failure", "Requests that failed", ("reason",),
-     lambda m: [(("model_error",), m.errors), (("bad_request",), m.bad_requests)]),
+     lambda m: [(("model_error",), m.errors), (("bad_request",), m.bad_requests),
+                (("process_died",), m.died)]),
     (_C, "simpledbi_inference_count", "Rows computed", (), lambda m: [((), m.rows)]),
     (_C, "simpledbi_batch", "Forward passes (batches)", (), lambda m: [((), m.batches)]),
     (_C, "simpledbi_over_target", "Answers later than the model's latency_target", (),

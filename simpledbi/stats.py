@@ -35,6 +35,7 @@ def summarize(ctl, since: Optional[float] = None) -> dict:
         "batches": batches,
         "rows": n["rows"],
         "errors": n["errors"],
+        "died": n["died"],             # held by a model process that died: ModelProcessDied
         "isolated_batches": n["isolated"],
         "bad_requests": n["bad_requests"],
         "withdrawn": n["withdrawn"],   # taken back before a model process got to them: never run

@@ -72,6 +72,7 @@ class ModelInfo:
     batches: int
     rows: int
     errors: int
+    died: int                 # answered ModelProcessDied: held by a process that died (or queued when broken)
     bad_requests: int
     over_target: int
     rejected: Dict[str, int]               # refused with Overloaded, by reason (overload.py)
@@ -171,7 +172,7 @@ def _model_info(name: str, ctl: ControlBlock) -> ModelInfo:
         max_batch_size=int(ctl.hdr["max_batch"]), max_clients=ctl.max_slots,
         attached_clients=int(serving["clients"].max()) if len(serving) else 0,
         queued=int(inst["held"].sum()),
-        **{k: n[k] for k in ("requests", "batches", "rows", "errors", "bad_requests", "over_target",
+        **{k: n[k] for k in ("requests", "batches", "rows", "errors", "died", "bad_requests", "over_target",
                              "restarts", "rejected")},
         newcomer_wait=float(serving["newcomer_wait"].min()) if len(serving) else 0.0,
         instances=instances,
@@ -198,7 +199,7 @@ def format_status(info: RuntimeInfo) -> str:
                      f"max_batch_size {m.max_batch_size}  clients {m.attached_clients}/"
                      f"{m.max_clients}  queued {m.queued}"]
         lines.append(f"  requests {m.requests}  batches {m.batches}  mean batch "
-                     f"{m.mean_batch_size:.2f}  errors {m.errors}  bad requests {m.bad_requests}  "
+                     f"{m.mean_batch_size:.2f}  errors {m.errors}  died {m.died}  bad requests {m.bad_requests}  "
                      f"over target {m.over_target}  restarts {m.restarts}")
         lines.append(f"  overload: rejected (deadline) {m.rejected['deadline']}  rejected (queue) "
                      f"{m.rejected['queue']}  a newcomer's expected wait {_ms(m.newcomer_wait)} ms")

@@ -137,7 +137,8 @@ class Supervision:
             logger.error("%s", why)
             self.broken[name] = why
             ctl.set_state(BROKEN, why, m.proc.exitcode or 0)
-            answer_queued(self.sockets[name], ST_DIED, why)   # callers whose requests wait learn now
+            # callers whose requests wait learn now
+            answer_queued(self.sockets[name], ST_DIED, why, counters=ctl.counters[m.row])
             return
         delay = min(m.cfg.restart_backoff * 2 ** (len(failures) - 1), 10.0)
         logger.error("%s; restarting it in %.2f s", text, delay)

@@ -23,6 +23,8 @@ import pytest
 
 from simpledbi import ModelError, ModelProcessDied, RuntimeStopped, SharedModel
 from simpledbi import client as client_module, futex, shm
+from simpledbi import inspect as inspect_runtime
+from simpledbi.status import format_status
 from simpledbi.layout import (BROKEN, PUB_SEQ_OFF, REQ_MAGIC, REQ_PREFIX, STOPPING,
                               socket_path)
 
@@ -729,6 +731,8 @@ def test_dead_model_process_is_restarted_and_its_callers_told_at_once(start_runt
     t.join(5)  # told at once (the supervisor answers what it held), not after a timeout
     assert not t.is_alive() and isinstance(outcome.get("e"), ModelProcessDied), outcome
     assert str(claimer) in str(outcome["e"]) and outcome["e"].exitcode == -signal.SIGKILL
+    assert m.stats()["died"] == 1   # counted before its caller woke (it was counted nowhere)
+    assert "died 1" in format_status(inspect_runtime(namespace=rt.namespace))
     x = np.full((1, 2), 2.0, np.float32)
     np.testing.assert_array_equal(m.forward(x, timeout=30), x * 2 + 1)  # the survivor serves
     _wait_for(lambda: rt.ctls["gated"].instances["restarts"].sum() == 1 and claimer not in _pids(rt, "gated")

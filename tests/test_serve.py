@@ -579,6 +579,7 @@ def test_prometheus_collector_exports_the_runtime_counters():
             threading.Event().wait(0.01)   # bounded wait on a shared-memory condition
     assert 'simpledbi_request_success_total{model="m"} 3.0' in text
     assert 'simpledbi_inference_count_total{model="m"} 7.0' in text
+    assert 'simpledbi_request_failure_total{model="m",reason="process_died"} 0.0' in text
     assert 'simpledbi_batch_size_bucket{le="2",model="m"} 2.0' in text
     assert 'simpledbi_request_duration_seconds_count{model="m"} 3.0' in text
     assert 'simpledbi_instance_up{device="cpu",instance="0",model="m"} 1.0' in text
