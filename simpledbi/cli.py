@@ -103,7 +103,7 @@ def _parser() -> argparse.ArgumentParser:
                    "or a function that builds the model, imported by the serve process (default: "
                    "load the same again)")
     r.add_argument("--timeout", type=float, default=60.0, help="seconds the old processes get to "
-                   "finish what they took")
+                   "answer what they took (default 60); what they still hold then fails")
     r.set_defaults(func=_reload)
     return p
 

@@ -23,9 +23,10 @@ class Reloads:
         ``"module:function"``, or the factory itself, a callable as ``ModelConfig(factory=)`` takes -- else
         the same source loaded again) without failing a request: start new processes in the other bank of the
         control block while the current ones serve (loaded, they claim nothing yet), switch, then let the old
-        ones answer what they took and exit (killed after ``timeout`` seconds). If a new process fails to
-        load, the new ones are stopped -- they hold nothing -- and the current version keeps serving; the
-        error is raised. Holds both versions in memory meanwhile."""
+        ones answer what they took and exit (killed after ``timeout`` seconds: what they still hold then
+        fails with ModelProcessDied). If a new process fails to load, the new ones are stopped -- they hold
+        nothing -- and the current version keeps serving; the error is raised. Holds both versions in memory
+        meanwhile."""
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= 3600:
             raise ValueError(f"reload timeout: expected 0 < seconds <= 3600, got {timeout!r}")
         with self._reload_lock:
@@ -103,14 +104,19 @@ class Reloads:
             logger.info("model %r reloaded%s: %d new process(es) serve; the old ones finish what "
                         "they took", model, f" from {sources.describe(path) if callable(path) else path}" if path else "", n)
             deadline = time.monotonic() + timeout
+            row = ctl.all_instances
             for m in old:   # ValueError: it exited, and the supervisor reaped and closed it meanwhile
                 with contextlib.suppress(ValueError):
-                    while not self._stop.is_set() and not _exited(m) and time.monotonic() < deadline:
+                    # until it exits, or has answered all it took (INST_DEAD: it is closing; killed
+                    # then, it logged a death though no request failed)
+                    while not self._stop.is_set() and not _exited(m) and row[m.row]["state"] != INST_DEAD \
+                            and time.monotonic() < deadline:
                         # in 0.5 s steps: a shutdown meanwhile (self._stop) ends the wait promptly
                         m.proc.join(min(0.5, max(0.0, deadline - time.monotonic())))
-                    if not self._stop.is_set() and not _exited(m):
-                        logger.warning("model %r: old process %d did not finish within %.0f s; "
-                                       "killing it", model, m.instance, timeout)
+                    if not self._stop.is_set() and not _exited(m) and row[m.row]["state"] != INST_DEAD:
+                        logger.warning("model %r: old process %d had not answered what it took within %g s "
+                                       "(the reload's timeout); killing it: its %d request(s) in progress fail "
+                                       "with ModelProcessDied", model, m.instance, timeout, int(row[m.row]["held"]))
                         m.proc.kill()   # (it ignores SIGTERM: interrupts.child_signals)
                         m.proc.join(self.options.join_timeout)
             return cfg
