@@ -14,6 +14,7 @@ import signal
 import socket
 import struct
 import subprocess
+import collections
 import sys
 import threading
 import time
@@ -21,7 +22,7 @@ import time
 import numpy as np
 import pytest
 
-from simpledbi import ModelError, ModelProcessDied, RuntimeStopped, SharedModel
+from simpledbi import ModelError, ModelProcessDied, Runtime, RuntimeStopped, SharedModel
 from simpledbi import client as client_module, futex, shm
 from simpledbi import inspect as inspect_runtime
 from simpledbi.status import format_status
@@ -29,7 +30,7 @@ from simpledbi.layout import (BROKEN, PUB_SEQ_OFF, REQ_MAGIC, REQ_PREFIX, STOPPI
                               socket_path)
 
 from . import models
-from .conftest import cpu_model, wait_queued
+from .conftest import FAST, cpu_model, wait_queued
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HUGE_WAIT = 1.0  # the most ModelConfig allows (a 1-row batch closes at once whatever it is)
@@ -740,6 +741,34 @@ def test_dead_model_process_is_restarted_and_its_callers_told_at_once(start_runt
     m.close()
     for v in range(4):
         _honest(rt, "gated", value=float(v))
+
+
+@pytest.mark.timeout(240)
+def test_close_from_another_thread_as_a_named_call_starts_raises_runtime_stopped():
+    """(It raised TypeError or ValueError, ~1% of the time: the call read the control block close() had
+    just closed -- helper-40.)"""
+    name = f"close{os.getpid()}"
+    seen = collections.Counter()
+    old = sys.getswitchinterval()
+    with Runtime([cpu_model("affine", models.affine)], FAST, name=name):
+        sys.setswitchinterval(1e-6)   # (switch threads as often as possible: the race is narrow)
+        try:
+            for _ in range(2500):   # (the old code failed about 1 in 100)
+                m = SharedModel("affine", (1, 2), runtime=name)
+
+                def call():
+                    try:
+                        m.forward(np.zeros((1, 2), np.float32), timeout=30)
+                        seen["ok"] += 1
+                    except Exception as e:  # noqa: BLE001 - counted
+                        seen[type(e).__name__] += 1
+                t = threading.Thread(target=call)
+                t.start()
+                m.close()
+                t.join(30)
+        finally:
+            sys.setswitchinterval(old)
+    assert set(seen) <= {"ok", "RuntimeStopped"}, seen
 
 
 def test_model_that_dies_too_often_is_marked_broken(start_runtime):
