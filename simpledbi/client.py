@@ -318,18 +318,17 @@ class SharedModel(Inputs, LoopCalls):
         cancel = _Cancel()
 
         def call():
-            try:
-                out = fn(*args, cancel=cancel, **kw)
-            except BaseException:
-                if cancel.cancelled:   # nobody awaits it: asyncio.shield no longer looks at this
-                    return None, None  # future, and would log its exception as never retrieved
-                raise
+            out = fn(*args, cancel=cancel, **kw)
             return out, self._last.get(None)   # set by this executor thread's own call
-        try:   # (shielded: a thread that has not started yet still runs, to give up what it holds)
-            out, timing = await asyncio.shield(
-                asyncio.get_running_loop().run_in_executor(_async_executor(), call))
+        # (shielded: a thread that has not started yet still runs, to give up what it holds)
+        running = asyncio.get_running_loop().run_in_executor(_async_executor(), call)
+        try:
+            out, timing = await asyncio.shield(running)
         except asyncio.CancelledError:
             cancel.cancel()   # the waiting thread takes the request back, if nobody took it yet
+            # Its outcome is nobody's now: asyncio.shield stopped looking at it, and asyncio would log
+            # an exception it ends with as "never retrieved" (once per cancelled call).
+            running.add_done_callback(_outcome_read)
             raise
         self._last.set(timing)  # in this task's context: last_timing() in the task sees its own
         return out
@@ -530,6 +529,11 @@ class SharedModel(Inputs, LoopCalls):
             raise ModelProcessDied(ctl.message() or f"model {self.name!r}: the runtime is broken",
                                    int(ctl.hdr["broken_code"]) or None)
         self._stopped(h, "the runtime has stopped or is stopping")
+
+
+def _outcome_read(future: asyncio.Future) -> None:
+    if not future.cancelled():
+        future.exception()
 
 
 def _attach(name: str, max_shape, dtype, kw: dict) -> SharedModel:
