@@ -536,9 +536,30 @@ def _outcome_read(future: asyncio.Future) -> None:
         future.exception()
 
 
-def _attach(name: str, max_shape, dtype, kw: dict) -> SharedModel:
+def _attach(name: str, max_shape, dtype, kw: dict):
     """A pickled SharedModel, in the process that loads it (SharedModel.__reduce__)."""
-    return SharedModel(name, max_shape, dtype, **kw)
+    try:
+        return SharedModel(name, max_shape, dtype, **kw)
+    except Exception as e:  # noqa: BLE001 - raised on use instead (_Unattached)
+        return _Unattached(name, (name, max_shape, dtype, kw), e)
+
+
+class _Unattached:
+    """A pickled SharedModel that could not attach where it arrived (its runtime gone, or out of
+    reach): each use raises why. Raised while unpickling, the error killed a multiprocessing Pool's
+    worker and lost its task, and the caller waited forever."""
+
+    def __init__(self, name: str, args: tuple, error: Exception):
+        self.name, self._args, self._error = name, args, error
+
+    def __getattr__(self, attr):
+        raise self._error.with_traceback(None)
+
+    def __reduce__(self):   # sent on: it tries again there
+        return _attach, self._args
+
+    def close(self) -> None:
+        pass
 
 
 def _overloaded(name: str, why: Refusal, timeout: Optional[float], t_call: float,

@@ -15,7 +15,7 @@ import time
 import numpy as np
 import pytest
 
-from simpledbi import RuntimeStopped, SharedModel, naming
+from simpledbi import Runtime, RuntimeStopped, SharedModel, naming
 
 from . import models
 from .conftest import cpu_model
@@ -246,3 +246,17 @@ def test_a_handle_sent_to_pool_workers_attaches_there(start_runtime, method):
         np.testing.assert_array_equal(y, np.full((1, 2), 2.0 * v + 1))
     np.testing.assert_array_equal(m.forward(np.ones((1, 2), np.float32)), np.full((1, 2), 3.0))
     m.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_handle_sent_where_its_runtime_is_gone_raises_in_the_task():
+    """Unpickled where it cannot attach, the handle raises at its first use (the error raised while
+    unpickling killed the Pool's worker and lost the task: the caller waited forever -- helper-40)."""
+    rt = Runtime([cpu_model("affine", models.affine)]).start()
+    m = SharedModel("affine", (1, 2), namespace=rt.namespace)
+    with mp.get_context("spawn").Pool(1) as pool:
+        assert pool.apply(_forward_in_worker, (m, 1.0))[1].tolist() == [[3.0, 3.0]]
+        m.close()
+        rt.shutdown()
+        with pytest.raises(LookupError, match="no simpledbi runtime"):
+            pool.apply_async(_forward_in_worker, (m, 1.0)).get(timeout=60)
