@@ -165,6 +165,10 @@ def load_serve_config(args: argparse.Namespace) -> ServeConfig:
         raise ValueError(f"{args.config}: options: expected an [options] table, got {options!r}")
     if args.mps:
         options = {**options, "mps": args.mps}
+    unknown = sorted(set(options) - {f.name for f in dataclasses.fields(RuntimeOptions)})
+    if unknown:   # (as [[models]] says it: the TypeError named RuntimeOptions.__init__)
+        raise ValueError(f"[options]: unknown {', '.join(unknown)}; expected some of "
+                         f"{', '.join(f.name for f in dataclasses.fields(RuntimeOptions))}")
     try:
         runtime_options = RuntimeOptions(**options)
     except TypeError as e:
@@ -225,10 +229,12 @@ def _serve(args: argparse.Namespace) -> int:
         if cfg.metrics_port is not None:
             from .metrics import start_metrics_server
             try:
-                start_metrics_server(cfg.metrics_port, cfg.name, addr=cfg.metrics_addr)
+                served = start_metrics_server(cfg.metrics_port, cfg.name, addr=cfg.metrics_addr)
             except OSError as e:
                 raise OSError(e.errno, f"--metrics-port {cfg.metrics_port}: {e.strerror}") from None
-            where = f"; Prometheus metrics on {cfg.metrics_addr}:{cfg.metrics_port}/metrics"
+            # the port the system chose for --metrics-port 0 (prometheus_client < 0.17 returns nothing)
+            port = served[0].server_address[1] if served else cfg.metrics_port
+            where = f"; Prometheus metrics on {cfg.metrics_addr}:{port}/metrics"
         logger.info("runtime %r ready in %.1f s (MPS: %s): attach with SharedModel(%r, "
                     "runtime=%r) or SIMPLEDBI_RUNTIME=%s%s", cfg.name, time.monotonic() - t0,
                     runtime.mps.state, cfg.models[0].name, cfg.name, cfg.name, where)

@@ -268,7 +268,7 @@ class Runtime(Supervision, Reloads, Workers):
         for ctl in self.ctls.values():
             if ctl.state == RUNNING:
                 ctl.set_state(DRAINING)
-        logger.info("draining: new requests are refused; finishing %d accepted (up to %.0f s)",
+        logger.info("draining: new requests are refused; finishing %d accepted (up to %g s)",
                     self.unanswered(), timeout)
         deadline = time.monotonic() + timeout
         while (pending := self.unanswered()) and time.monotonic() < deadline and any(

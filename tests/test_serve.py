@@ -415,6 +415,9 @@ def test_serve_config_from_toml_and_flags(tmp_path):
     with pytest.raises(ValueError, match="factory 'tests.models:nothing': 'tests.models' has no 'nothing'"):
         load_serve_config(_parser().parse_args(["serve", "--name", "x", "--model",
                                                 "a=tests.models:nothing"]))
+    cfg.write_text('name = "x"\n[options]\njoin_timout = 3\n[[models]]\nname = "a"\nfactory = "tests.models:affine"\n')
+    with pytest.raises(ValueError, match=r"\[options\]: unknown join_timout; expected some of .*join_timeout"):
+        load_serve_config(_parser().parse_args(["serve", "--config", str(cfg)]))   # (a raw TypeError)
     cfg.write_text('name = "x"\nmetrics_port = "9100"\n[[models]]\nname = "a"\nfactory = "tests.models:affine"\n')
     with pytest.raises(ValueError, match=r"metrics_port: expected a port number 0-65535, got '9100'"):
         load_serve_config(_parser().parse_args(["serve", "--config", str(cfg)]))
