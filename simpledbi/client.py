@@ -264,7 +264,7 @@ class SharedModel(Inputs, LoopCalls):
         deadline = None if timeout is None else t_call + timeout
         while True:
             h = self._h
-            if self.runtime is not None and self._runtime_left(h):
+            if self.runtime is not None and h.left():
                 h = self._reattach(h, deadline, cancel, timeout)
             slot = h.borrow(self)
             slot.call_timeout, slot.call_start, slot.priority, slot.cancel = timeout, t_call, priority, cancel
@@ -303,7 +303,7 @@ class SharedModel(Inputs, LoopCalls):
         arrays, as_torch, names, positions = self._validate(inputs, kw_inputs)
         priority = self.priority if priority is None else _check_priority(priority)
         h = self._h
-        if self.runtime is not None and self._runtime_left(h):
+        if self.runtime is not None and h.left():
             # re-attaching waits for the successor: in a thread
             return await self._in_thread(self._forward, inputs, kw_inputs, timeout, priority, t_call=t_call)
         try:
@@ -370,13 +370,6 @@ class SharedModel(Inputs, LoopCalls):
         return f"SharedModel({self.name!r}, max_shape={self.max_shapes}, namespace={self.namespace!r})"
 
     # ------------------------------------------------------------ one call
-    def _runtime_left(self, h: "_Handles") -> bool:
-        """Attached by name: is ``h``'s runtime gone or stopping (time to attach to its successor)?"""
-        try:
-            return h.gone or h.ctl.state >= STOPPING and h.ctl.state != BROKEN
-        except (TypeError, ValueError):   # close() from another thread closed h's control block
-            raise RuntimeStopped(f"SharedModel({self.name!r}) is closed") from None
-
     def _publish(self, h: "_Handles", slot: ClientSlot, arrays: List[np.ndarray], deadline: Optional[float],
                  names: int, positions: Optional[Tuple[int, ...]]) -> int:
         """Refuse the call here (Overloaded), or write its request into ``slot``; its seq."""
@@ -771,6 +764,13 @@ class _Handles:
             # registration file costs nothing while requests flow.
             time.sleep(min(pause, left))
             pause = min(pause * 2, 0.2)
+
+    def left(self) -> bool:
+        """Attached by name: is the runtime gone or stopping (time to attach to its successor)?"""
+        try:
+            return self.gone or self.ctl.state >= STOPPING and self.ctl.state != BROKEN
+        except (TypeError, ValueError):   # close() from another thread closed the control block
+            raise RuntimeStopped(f"SharedModel({self.name!r}) is closed") from None
 
     def refuse(self, slot: ClientSlot, deadline: Optional[float]) -> None:
         """Raise Overloaded if the call in ``slot`` is refused here, unsent (NOTE [overload]): while
