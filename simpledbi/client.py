@@ -546,6 +546,8 @@ class _Unattached:
         self.name, self._args, self._error = name, args, error
 
     def __getattr__(self, attr):
+        if attr.startswith("__"):   # (what copy, pickle and libraries probe for: absent)
+            raise AttributeError(attr)
         raise self._error.with_traceback(None)
 
     def __reduce__(self):   # sent on: it tries again there
