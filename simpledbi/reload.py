@@ -107,16 +107,17 @@ class Reloads:
             row = ctl.all_instances
             for m in old:   # ValueError: it exited, and the supervisor reaped and closed it meanwhile
                 with contextlib.suppress(ValueError):
-                    # until it exits, or has answered all it took (INST_DEAD: it is closing; killed
-                    # then, it logged a death though no request failed)
-                    while not self._stop.is_set() and not _exited(m) and row[m.row]["state"] != INST_DEAD \
-                            and time.monotonic() < deadline:
+                    while not self._stop.is_set() and not _exited(m) and time.monotonic() < deadline:
                         # in 0.5 s steps: a shutdown meanwhile (self._stop) ends the wait promptly
                         m.proc.join(min(0.5, max(0.0, deadline - time.monotonic())))
-                    if not self._stop.is_set() and not _exited(m) and row[m.row]["state"] != INST_DEAD:
-                        logger.warning("model %r: old process %d had not answered what it took within %g s "
-                                       "(the reload's timeout); killing it: its %d request(s) in progress fail "
-                                       "with ModelProcessDied", model, m.instance, timeout, int(row[m.row]["held"]))
+                    if not self._stop.is_set() and not _exited(m) and row[m.row]["state"] == INST_DEAD:
+                        # it answered all it took and is closing (torch's teardown can take longer
+                        # than a short timeout): killed, it logged a death though nothing failed
+                        m.proc.join(self.options.join_timeout)
+                    if not self._stop.is_set() and not _exited(m):
+                        logger.warning("model %r: old process %d did not finish within %g s (the reload's "
+                                       "timeout); killing it: its %d request(s) in progress fail with "
+                                       "ModelProcessDied", model, m.instance, timeout, int(row[m.row]["held"]))
                         m.proc.kill()   # (it ignores SIGTERM: interrupts.child_signals)
                         m.proc.join(self.options.join_timeout)
             return cfg
