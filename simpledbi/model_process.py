@@ -233,7 +233,6 @@ class ModelServer(Holding):
                     self.retiring = True
                 if self.retiring and inflight is None and not self._open:
                     logger.info("%s retired: every request it took is answered", self.tag)
-                    inst_words[_I_STATE] = INST_DEAD   # (a reload waiting to kill me need not)
                     break
                 batch, inflight = self._collect(inflight)
                 if batch:

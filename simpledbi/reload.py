@@ -110,9 +110,9 @@ class Reloads:
                     while not self._stop.is_set() and not _exited(m) and time.monotonic() < deadline:
                         # in 0.5 s steps: a shutdown meanwhile (self._stop) ends the wait promptly
                         m.proc.join(min(0.5, max(0.0, deadline - time.monotonic())))
-                    if not self._stop.is_set() and not _exited(m) and row[m.row]["state"] == INST_DEAD:
-                        # it answered all it took and is closing (torch's teardown can take longer
-                        # than a short timeout): killed, it logged a death though nothing failed
+                    if not self._stop.is_set() and not _exited(m) and row[m.row]["held"] == 0:
+                        # it holds nothing: it retires, or is closing (torch's teardown can take longer
+                        # than a short timeout); killed, it logged a death though nothing failed
                         m.proc.join(self.options.join_timeout)
                     if not self._stop.is_set() and not _exited(m):
                         logger.warning("model %r: old process %d did not finish within %g s (the reload's "
