@@ -414,10 +414,3 @@ def term_children():
     assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM, status
     return Affine()
 
-
-def slow_exit(seconds: float = 4.0):
-    """The affine model, in a process whose exit takes ``seconds`` more (an atexit sleep: a
-    teardown as slow as torch's can be on a loaded machine)."""
-    import atexit
-    atexit.register(time.sleep, seconds)
-    return Affine()
