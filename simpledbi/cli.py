@@ -30,7 +30,9 @@ _MODEL_FLAGS = ("max_batch_size", "model_num", "wait_time", "latency_target", "d
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = _parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:   # (parse_args named them under the top-level usage, which lists no flag of the command)
+        (args.parser if args.command else parser).error(f"unrecognized arguments: {' '.join(unknown)}")
     if not args.command:
         parser.print_help()
         return 2
@@ -86,7 +88,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="seconds to finish accepted requests at SIGTERM (default 30)")
     s.add_argument("--log-level", default="INFO", type=str.upper,
                    choices=("DEBUG", "INFO", "WARNING", "WARN", "ERROR", "CRITICAL"))
-    s.set_defaults(func=_serve)
+    s.set_defaults(func=_serve, parser=s)
 
     st = sub.add_parser("status", help="what a running runtime is doing")
     st.add_argument("name", nargs="?", help="runtime name (default: $SIMPLEDBI_RUNTIME, or the "
@@ -94,7 +96,7 @@ def _parser() -> argparse.ArgumentParser:
     st.add_argument("--check", action="store_true", help="print one line; exit 1 unless every "
                     "model is ready (a health check)")
     st.add_argument("--json", action="store_true", help="machine-readable output")
-    st.set_defaults(func=_status)
+    st.set_defaults(func=_status, parser=st)
 
     r = sub.add_parser("reload", help="replace a model's processes without failing a request")
     r.add_argument("model", help="the model to reload")
@@ -104,7 +106,7 @@ def _parser() -> argparse.ArgumentParser:
                    "load the same again)")
     r.add_argument("--timeout", type=float, default=60.0, help="seconds the old processes get to "
                    "answer what they took (default 60); what they still hold then fails")
-    r.set_defaults(func=_reload)
+    r.set_defaults(func=_reload, parser=r)
     return p
 
 
