@@ -58,36 +58,50 @@ def _parser() -> argparse.ArgumentParser:
                                 "requests to shared PyTorch models, through shared memory.")
     sub = p.add_subparsers(dest="command")
 
-    s = sub.add_parser("serve", help="run a standalone, named runtime until SIGTERM / Ctrl-C")
+    s = sub.add_parser("serve", help="run a standalone, named runtime until SIGTERM / Ctrl-C",
+                       description="Run a standalone, named runtime until SIGTERM / Ctrl-C. A flag given "
+                       "overrides the same setting of the --config file; the model flags apply to every model.")
     s.add_argument("--name", help="the runtime's name, used by clients to attach (required here "
                    "or in the config)")
-    s.add_argument("--config", help="a TOML file: name, metrics_port, [options], [[models]]")
+    s.add_argument("--config", help="a TOML file: name, metrics_port, metrics_addr, drain_timeout, [options], "
+                   "[[models]]; a flag given overrides the file's setting")
     s.add_argument("--model", action="append", default=[], metavar="NAME=PATH|MODULE:FACTORY",
                    help="a model to serve: a TorchScript / .pt2 file, or a function that builds "
                    "it (repeatable; the flags below apply to each)")
-    s.add_argument("--max-batch-size", type=int)
-    s.add_argument("--model-num", type=int, help="model processes per model")
-    s.add_argument("--wait-time", type=float, help="upper bound (s) on a request's wait for others")
-    s.add_argument("--latency-target", type=float, help="seconds of p99 latency to keep under")
-    s.add_argument("--device", help="cpu, cuda, cuda:N or auto (a comma-separated list spreads instances)")
-    s.add_argument("--batching", choices=("adaptive", "fixed"))
-    s.add_argument("--precision", choices=("float32", "float16", "bfloat16"))
-    s.add_argument("--max-clients", type=int)
+    s.add_argument("--max-batch-size", type=int, help=f"most rows in one batch {_default('max_batch_size')}")
+    s.add_argument("--model-num", type=int, help=f"model processes per model {_default('model_num')}")
+    s.add_argument("--wait-time", type=float, help="upper bound (s) on a request's wait for others "
+                   + _default("wait_time"))
+    s.add_argument("--latency-target", type=float, help="seconds of p99 latency to keep under "
+                   "(default: none)")
+    s.add_argument("--device", help="cpu, cuda, cuda:N or auto (a comma-separated list spreads instances) "
+                   + _default("device"))
+    s.add_argument("--batching", choices=("adaptive", "fixed"), help="adaptive: a batch waits only as long "
+                   "as the learned costs say it pays; fixed: up to --wait-time " + _default("batching"))
+    s.add_argument("--precision", choices=("float32", "float16", "bfloat16"), help="cast parameters and "
+                   "floating inputs to this precision on the device " + _default("precision"))
+    s.add_argument("--max-clients", type=int, help="most clients (SharedModel threads) attached at once "
+                   + _default("max_clients"))
     s.add_argument("--max-queue", type=int, help="refuse new requests (Overloaded) beyond this many "
-                   "waiting (README, Overload)")
+                   "waiting (README, Overload) (default: no bound)")
     s.add_argument("--default-timeout", type=float, help="seconds: the deadline of calls that give "
-                   "none; a call that cannot finish in time is refused (README, Overload)")
+                   "none; a call that cannot finish in time is refused (README, Overload) (default: none)")
     s.add_argument("--input-shape", action="append", metavar="D1,D2,...",
-                   help="item shape of an input (no batch dimension), repeatable in input order")
-    s.add_argument("--input-dtype", action="append", metavar="DTYPE")
-    s.add_argument("--mps", choices=("auto", "on", "off"))
+                   help="item shape of an input (no batch dimension), repeatable in input order; the model "
+                   "warms up with it and clients need no max_shape (default: none)")
+    s.add_argument("--input-dtype", action="append", metavar="DTYPE", help="numpy dtype of an input, "
+                   "repeatable in input order; requests of another dtype are refused (default: float32)")
+    s.add_argument("--mps", choices=("auto", "on", "off"), help="CUDA MPS: auto (a private daemon when "
+                   "two or more model processes share a GPU), on (an error if it cannot start), off "
+                   + _default("mps", RuntimeOptions))
     s.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port "
-                   "(needs the metrics extra: pip install 'simpledbi[metrics]')")
-    s.add_argument("--metrics-addr", help="address for /metrics (default 0.0.0.0)")
+                   "(needs the metrics extra: pip install 'simpledbi[metrics]') (default: none)")
+    s.add_argument("--metrics-addr", help="address for /metrics (default: 0.0.0.0)")
     s.add_argument("--drain-timeout", type=float,
-                   help="seconds to finish accepted requests at SIGTERM (default 30)")
+                   help="seconds to finish accepted requests at SIGTERM (default: 30)")
     s.add_argument("--log-level", default="INFO", type=str.upper,
-                   choices=("DEBUG", "INFO", "WARNING", "WARN", "ERROR", "CRITICAL"))
+                   choices=("DEBUG", "INFO", "WARNING", "WARN", "ERROR", "CRITICAL"),
+                   help="which log records to print (default: INFO)")
     s.set_defaults(func=_serve, parser=s)
 
     st = sub.add_parser("status", help="what a running runtime is doing")
@@ -108,6 +122,12 @@ def _parser() -> argparse.ArgumentParser:
                    "answer what they took (default 60); what they still hold then fails")
     r.set_defaults(func=_reload, parser=r)
     return p
+
+
+def _default(field: str, of=ModelConfig) -> str:
+    """"(default: X)" read from the dataclass: serve's flags default to None (the config file, then
+    the dataclass, decide), so argparse's own default would say "None"."""
+    return f"(default: {next(f.default for f in dataclasses.fields(of) if f.name == field)})"
 
 
 # ---------------------------------------------------------------- serve

@@ -22,3 +22,21 @@ def test_an_unknown_flag_after_a_command_shows_that_commands_usage_and_names_the
     assert out.returncode == 2, out
     assert out.stderr.startswith("usage: simpledbi serve [-h]") and "--max-batch-size" in out.stderr, out.stderr
     assert out.stderr.rstrip().endswith("simpledbi serve: error: unrecognized arguments: --bogus x"), out.stderr
+
+
+def test_serve_help_describes_every_flag_with_its_default_and_says_flags_override_the_config(capsys):
+    # --max-batch-size, --batching, --precision, --max-clients, --input-dtype, --mps, --log-level had no
+    # help; none showed its default; nothing said whether a flag or the --config file wins
+    from simpledbi.cli import _parser
+    from simpledbi.config import ModelConfig
+    serve = _parser().parse_args(["serve"]).parser
+    for action in serve._actions:   # (argparse lists a parser's flags nowhere public)
+        assert action.help, f"{action.option_strings} has no help"
+        if action.dest not in ("help", "name", "config", "model"):
+            assert "(default: " in action.help, f"{action.option_strings}: {action.help!r}"
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["serve", "--help"])
+    text = " ".join(capsys.readouterr().out.split())   # (argparse wraps the lines)
+    assert "A flag given overrides the same setting of the --config file" in text
+    assert f"most rows in one batch (default: {ModelConfig.max_batch_size})" in text
+    assert "(default: INFO)" in text and "address for /metrics (default: 0.0.0.0)" in text
