@@ -1,7 +1,9 @@
 """The ``simpledbi`` command (also ``python -m simpledbi``): ``serve``, ``status``, ``reload`` (README: "Any
 model, any web framework"; ``--help`` lists the flags). ``serve --config`` reads a TOML file holding what the
 flags hold (the flags win): ``[options]`` (RuntimeOptions fields), ``[[models]]`` (ModelConfig fields;
-``factory = "module:function"`` instead of ``path``), as in ``examples/fastapi_app/serve.toml``."""
+``factory = "module:function"`` instead of ``path``), as in ``examples/fastapi_app/serve.toml``. A relative
+``path`` there is relative to the file's directory; a factory's module is imported from the working directory
+and $PYTHONPATH, as ``--model``'s is."""
 from __future__ import annotations
 
 import argparse
@@ -64,7 +66,8 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--name", help="the runtime's name, used by clients to attach (required here "
                    "or in the config)")
     s.add_argument("--config", help="a TOML file: name, metrics_port, metrics_addr, drain_timeout, [options], "
-                   "[[models]]; a flag given overrides the file's setting")
+                   "[[models]] (a relative model path in it is relative to the file's directory); a flag "
+                   "given overrides the file's setting")
     s.add_argument("--model", action="append", default=[], metavar="NAME=PATH|MODULE:FACTORY",
                    help="a model to serve: a TorchScript / .pt2 file, or a function that builds "
                    "it (repeatable; the flags below apply to each)")
@@ -170,6 +173,10 @@ def load_serve_config(args: argparse.Namespace) -> ServeConfig:
     if not isinstance(entries, list) or not all(isinstance(m, dict) for m in entries):
         raise ValueError(f"{args.config}: models: expected [[models]] tables (name = ..., path = ... or "
                          f"factory = ...), got {entries!r}")
+    if args.config:   # as most tools read a config file: not against wherever serve was started
+        here = os.path.dirname(os.path.abspath(args.config))
+        entries = [{**e, "path": os.path.normpath(os.path.join(here, e["path"]))}
+                   if isinstance(e.get("path"), str) and not os.path.isabs(e["path"]) else e for e in entries]
     for spec in args.model:
         model_name, sep, where = spec.partition("=")
         if not sep or not where:

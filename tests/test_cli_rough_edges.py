@@ -40,3 +40,23 @@ def test_serve_help_describes_every_flag_with_its_default_and_says_flags_overrid
     assert "A flag given overrides the same setting of the --config file" in text
     assert f"most rows in one batch (default: {ModelConfig.max_batch_size})" in text
     assert "(default: INFO)" in text and "address for /metrics (default: 0.0.0.0)" in text
+
+
+@pytest.mark.timeout(60)
+def test_a_relative_model_path_in_the_config_file_is_relative_to_the_files_directory(tmp_path, monkeypatch):
+    # it was relative to the working directory: the same file served another model, or none, from elsewhere
+    from simpledbi.cli import _parser, load_serve_config
+    (tmp_path / "conf").mkdir()
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "m.pt").write_bytes(b"")
+    absolute = tmp_path / "abs.pt"
+    absolute.write_bytes(b"")
+    cfg = tmp_path / "conf" / "serve.toml"
+    cfg.write_text('name = "x"\n[[models]]\nname = "a"\npath = "../models/m.pt"\n'
+                   f'[[models]]\nname = "b"\npath = "{absolute}"\n')
+    monkeypatch.chdir(tmp_path / "models")   # where a path relative to the working directory would miss
+    sc = load_serve_config(_parser().parse_args(["serve", "--config", os.path.relpath(cfg)]))
+    assert [m.path for m in sc.models] == [str(tmp_path / "models" / "m.pt"), str(absolute)]
+    cfg.write_text('name = "x"\n[[models]]\nname = "a"\npath = "m.pt"\n')
+    with pytest.raises(ValueError, match=f"model 'a': no model file at '{tmp_path / 'conf' / 'm.pt'}'"):
+        load_serve_config(_parser().parse_args(["serve", "--config", str(cfg)]))
