@@ -232,6 +232,7 @@ def _serve(args: argparse.Namespace) -> int:
     if cfg.metrics_port is not None and importlib.util.find_spec("prometheus_client") is None:
         # before loading any model: a missing extra fails fast
         raise ImportError("--metrics-port needs prometheus_client: pip install 'simpledbi[metrics]'")
+    metrics_at = _serve_metrics(cfg) if cfg.metrics_port is not None else ""
     stop, started, signals = threading.Event(), threading.Event(), []
 
     def on_signal(signum, frame):
@@ -254,19 +255,9 @@ def _serve(args: argparse.Namespace) -> int:
             return 128 + (signals[0] if signals else signal.SIGINT)   # 130 for Ctrl-C, 143 for SIGTERM
         started.set()
         control = ControlServer(runtime)   # `simpledbi reload`
-        where = ""
-        if cfg.metrics_port is not None:
-            from .metrics import start_metrics_server
-            try:
-                served = start_metrics_server(cfg.metrics_port, cfg.name, addr=cfg.metrics_addr)
-            except OSError as e:
-                raise OSError(e.errno, f"--metrics-port {cfg.metrics_port}: {e.strerror}") from None
-            # the port the system chose for --metrics-port 0 (prometheus_client < 0.17 returns nothing)
-            port = served[0].server_address[1] if served else cfg.metrics_port
-            where = f"; Prometheus metrics on {cfg.metrics_addr}:{port}/metrics"
         logger.info("runtime %r ready in %.1f s (MPS: %s): attach with SharedModel(%r, "
                     "runtime=%r) or SIMPLEDBI_RUNTIME=%s%s", cfg.name, time.monotonic() - t0,
-                    runtime.mps.state, cfg.models[0].name, cfg.name, cfg.name, where)
+                    runtime.mps.state, cfg.models[0].name, cfg.name, cfg.name, metrics_at)
         stop.wait()
         control.close()
         runtime.drain(cfg.drain_timeout)
@@ -279,6 +270,19 @@ def _serve(args: argparse.Namespace) -> int:
             signal.signal(sig, handler)
         if started.is_set():
             logger.info("runtime %r stopped", cfg.name)
+
+
+def _serve_metrics(cfg: ServeConfig) -> str:
+    """Serve /metrics before any model loads, so that a port in use fails in a moment rather than
+    after the models loaded (scrapes meanwhile show them loading); the ready line's words about it."""
+    from .metrics import start_metrics_server
+    try:
+        served = start_metrics_server(cfg.metrics_port, cfg.name, addr=cfg.metrics_addr)
+    except OSError as e:   # (errno's "[Errno 98]" prefix said nothing more)
+        raise OSError(f"--metrics-port {cfg.metrics_port} on {cfg.metrics_addr}: {e.strerror or e}") from None
+    # the port the system chose for --metrics-port 0 (prometheus_client < 0.17 returns nothing)
+    port = served[0].server_address[1] if served else cfg.metrics_port
+    return f"; Prometheus metrics on {cfg.metrics_addr}:{port}/metrics"
 
 
 # ---------------------------------------------------------------- reload

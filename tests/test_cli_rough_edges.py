@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 
@@ -60,3 +61,21 @@ def test_a_relative_model_path_in_the_config_file_is_relative_to_the_files_direc
     cfg.write_text('name = "x"\n[[models]]\nname = "a"\npath = "m.pt"\n')
     with pytest.raises(ValueError, match=f"model 'a': no model file at '{tmp_path / 'conf' / 'm.pt'}'"):
         load_serve_config(_parser().parse_args(["serve", "--config", str(cfg)]))
+
+
+@pytest.mark.timeout(120)
+def test_a_metrics_port_in_use_fails_serve_before_any_model_loads(tmp_path):
+    # it was found once the models had loaded (minutes for a large one), then said "[Errno 98] ..."
+    pytest.importorskip("prometheus_client")
+    loading = tmp_path / "loading"   # tests.models.slow_to_load touches it as it starts loading
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        out = _simpledbi("serve", "--name", f"t{os.getpid()}-metrics", "--device", "cpu", "--model",
+                         "m=tests.models:slow_to_load", "--metrics-addr", "127.0.0.1", "--metrics-port",
+                         str(port), env={"SDBI_TEST_LOADING": str(loading)})
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.strip().splitlines() == [
+        f"simpledbi serve: --metrics-port {port} on 127.0.0.1: Address already in use"], out.stderr
+    assert not loading.exists()
