@@ -309,12 +309,13 @@ def _status(args: argparse.Namespace) -> int:
     try:
         info = inspect(args.name)
     except LookupError as e:
-        if args.check:
-            print(f"NOT READY: {e}")
+        if args.check:   # a health check: "not ready", in the form asked for
+            print(json.dumps({"name": args.name, "ready": False, "error": str(e)}) if args.json
+                  else f"NOT READY: {e}")
             return 1
         raise
-    if args.json:
-        print(json.dumps(dataclasses.asdict(info), indent=1, default=str))
+    if args.json:   # ("ready" is a property: asdict leaves it out)
+        print(json.dumps({**dataclasses.asdict(info), "ready": info.ready}, indent=1, default=str))
     elif args.check:
         bad = [f"{m.name} {m.state}" + ("" if m.state != "running" else ", no instance ready: " +
                                          ", ".join(i.state if i.alive else "dead" for i in m.instances))

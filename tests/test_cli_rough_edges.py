@@ -1,12 +1,19 @@
 """What an operator hit with the `simpledbi` command and benchmark.py: each test failed on the code before."""
 from __future__ import annotations
 
+import json
 import os
+import secrets
 import socket
 import subprocess
 import sys
 
 import pytest
+
+from simpledbi import Runtime
+
+from . import models
+from .conftest import FAST, cpu_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -79,3 +86,18 @@ def test_a_metrics_port_in_use_fails_serve_before_any_model_loads(tmp_path):
     assert out.stderr.strip().splitlines() == [
         f"simpledbi serve: --metrics-port {port} on 127.0.0.1: Address already in use"], out.stderr
     assert not loading.exists()
+
+
+@pytest.mark.timeout(120)
+def test_status_json_check_prints_json_and_keeps_the_health_check_exit_code():
+    # with no such runtime it printed "NOT READY: ..." as text; a runtime's JSON did not say "ready"
+    name = f"t{os.getpid()}-{secrets.token_hex(3)}"
+    out = _simpledbi("status", name, "--json", "--check")
+    assert out.returncode == 1, out
+    assert json.loads(out.stdout) == {"name": name, "ready": False,
+                                      "error": f"no simpledbi runtime named {name!r} is running"}
+    with Runtime([cpu_model("m", models.affine)], FAST, name=name):
+        out = _simpledbi("status", name, "--json", "--check")
+    assert out.returncode == 0, out
+    got = json.loads(out.stdout)
+    assert got["ready"] is True and got["name"] == name and got["models"][0]["name"] == "m"
