@@ -12,7 +12,7 @@ import socket
 import threading
 
 from .shm import ns_path
-from .sources import describe
+from .sources import import_path
 
 logger = logging.getLogger(__name__)
 
@@ -79,8 +79,10 @@ class ControlServer:
                 # operator looks (the command's output is gone with the shell that ran it)
                 logger.error("reload of %r failed: %s: %s", model, type(e).__name__, e)
                 return {"ok": False, "error": f"{type(e).__name__}: {e}"}
-            return {"ok": True, "message": f"model {model!r} reloaded from "
-                    f"{path or cfg.path or describe(cfg.factory)}"}
+            if path:
+                return {"ok": True, "message": f"model {model!r} reloaded from {path}"}
+            source = f"model file {cfg.path}" if cfg.path else f"factory {import_path(cfg.factory)}"
+            return {"ok": True, "message": f"model {model!r} reloaded: its {source} loaded again"}
         return {"ok": False, "error": f"unknown op {op!r}; expected 'reload'"}
 
     def close(self) -> None:

@@ -52,6 +52,14 @@ def describe(factory) -> str:
     return f"{module}.{qualname}" if module else qualname
 
 
+def import_path(factory) -> str:
+    """A factory as ``--model`` and ``reload --path`` take it, ``module:qualname`` (``describe``
+    where it has no importable name)."""
+    fn, qualname = _unwrap(factory)
+    module = getattr(fn, "__module__", None)
+    return f"{module}:{qualname}" if module and not isinstance(factory, ByValue) else describe(factory)
+
+
 def _unwrap(factory) -> Tuple[Any, str]:
     """The function under any ``functools.partial``, and its qualified name."""
     while isinstance(factory, functools.partial):

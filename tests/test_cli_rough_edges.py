@@ -13,7 +13,7 @@ import pytest
 from simpledbi import Runtime
 
 from . import models
-from .conftest import FAST, cpu_model
+from .conftest import FAST, cpu_model, stderr_lines
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -101,3 +101,28 @@ def test_status_json_check_prints_json_and_keeps_the_health_check_exit_code():
     assert out.returncode == 0, out
     got = json.loads(out.stdout)
     assert got["ready"] is True and got["name"] == name and got["models"][0]["name"] == "m"
+
+
+@pytest.mark.timeout(180)
+def test_reload_without_path_says_it_loaded_the_same_source_again():
+    # it said "model 'm' reloaded from tests.models.affine": a dotted name no flag takes, and no word
+    # that nothing new was loaded
+    name = f"t{os.getpid()}-{secrets.token_hex(3)}"
+    proc = subprocess.Popen([sys.executable, "-m", "simpledbi", "serve", "--name", name, "--device", "cpu",
+                             "--model", "m=tests.models:affine"], cwd=ROOT, text=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        lines = stderr_lines(proc)
+        seen = []
+        while not seen or "ready" not in seen[-1]:
+            seen.append(lines.get(timeout=100))
+            assert seen[-1] is not None, "".join(seen[:-1])
+        out = _simpledbi("reload", "m", "--runtime", name, timeout=120)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout == "model 'm' reloaded: its factory tests.models:affine loaded again\n"
+        proc.terminate()
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(30)
