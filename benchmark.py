@@ -46,7 +46,7 @@ import fake_models
 from simpledbi import ModelConfig, RuntimeOptions, SharedModel
 from simpledbi.shm import SHM_DIR, new_namespace, sweep_namespace
 from simpledbi.layout import B_FIELDS
-from simpledbi.mps import CONTROL, PrivateDaemon
+from simpledbi.mps import CONTROL, MpsUnavailable, PrivateDaemon
 from simpledbi.stats import STAGES
 
 
@@ -436,13 +436,13 @@ def mps_daemon(enabled: bool):
     if not enabled:
         yield None
         return
-    control = shutil.which(CONTROL)
-    if control is None:
-        raise RuntimeError(f"--mps: {CONTROL} is not on PATH")
-    daemon = PrivateDaemon.create(control)
+    daemon = PrivateDaemon.create(mps_control())
     saved = {k: os.environ.get(k) for k in daemon.env}
     try:
-        daemon.start(timeout=30)
+        try:
+            daemon.start(timeout=30)
+        except MpsUnavailable as e:
+            raise SystemExit(f"--mps: the MPS daemon did not start: {e}") from None
         os.environ.update(daemon.env)
         yield daemon.directory
     finally:
@@ -452,6 +452,16 @@ def mps_daemon(enabled: bool):
             else:
                 os.environ[k] = v
         daemon.stop(timeout=60)
+
+
+def mps_control() -> str:
+    """The MPS control program; where there is none (a host without an NVIDIA driver), a one-line
+    exit rather than a traceback."""
+    control = shutil.which(CONTROL)
+    if control is None:
+        raise SystemExit(f"--mps: {CONTROL} is not on PATH: CUDA MPS needs an NVIDIA GPU and its driver "
+                         f"(run without --mps)")
+    return control
 
 
 # ---------------------------------------------------------------- report
@@ -594,6 +604,8 @@ def spec_from_args(a) -> BenchSpec:
 
 def main(argv=None):
     a = parse_args(argv)
+    if a.mps:
+        mps_control()   # before a model is built
     spec = spec_from_args(a)
     with mps_daemon(a.mps):
         result = run_config(spec)

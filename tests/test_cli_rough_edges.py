@@ -126,3 +126,16 @@ def test_reload_without_path_says_it_loaded_the_same_source_again():
         if proc.poll() is None:
             proc.kill()
         proc.wait(30)
+
+
+@pytest.mark.timeout(120)
+def test_benchmark_mps_without_the_mps_program_exits_with_one_line(tmp_path):
+    # on a host without an NVIDIA driver it ended in a RuntimeError traceback
+    out = subprocess.run([sys.executable, "benchmark.py", "--mps", "--device", "cpu", "--model_path",
+                          str(tmp_path / "never_built.pt")], cwd=ROOT, capture_output=True, text=True, timeout=100,
+                         env={**os.environ, "PATH": str(tmp_path)})   # (no nvidia-cuda-mps-control there)
+    assert out.returncode == 1, out
+    assert out.stderr.strip().splitlines() == [
+        "--mps: nvidia-cuda-mps-control is not on PATH: CUDA MPS needs an NVIDIA GPU and its driver "
+        "(run without --mps)"], out.stderr
+
