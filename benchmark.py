@@ -465,20 +465,26 @@ def mps_control() -> str:
 
 
 # ---------------------------------------------------------------- report
+def item_name(model: str) -> str:
+    """What one row of ``model``'s input is, for figures per row: an image or (encoder) a sequence."""
+    return "image" if fake_models.default_image_size(model) else "sequence"
+
+
 def format_report(r: dict, baseline: Optional[dict] = None) -> str:
     c = r["config"]
     model = c.get("model", "resnet50")
+    item = item_name(model)
     model += f"@{c['image_size']}" if fake_models.default_image_size(model) else ""
     lines = [f"{r['mode']:8s} {model} workers={c['worker_num']} x batch {c['worker_batch']}"
              + (f", max_batch={c['max_batch_size']} model_num={c['model_num']} wait={c['wait_time']}"
                 if r["mode"] == "dynamic" else "") + f", device={c['device']} dtype={c['dtype']}"
              + (f" gather={c['gather']} cuda_graphs={c['cuda_graphs']}" if r["mode"] == "dynamic" else ""),
-             f"  throughput   {r['throughput']:10.1f} images/s   ({r['requests']} requests in {c['duration']} s)",
+             f"  throughput   {r['throughput']:10.1f} {item}s/s   ({r['requests']} requests in {c['duration']} s)",
              "  latency ms   mean {mean:.2f}  p50 {p50:.2f}  p90 {p90:.2f}  p99 {p99:.2f}".format(**r["latency_ms"])]
     if baseline:
         lines.append(f"  vs plain     {r['throughput'] / baseline['throughput']:.2f}x throughput")
     if "cpu" in r:
-        lines.append("  " + format_cpu(r["cpu"]))
+        lines.append("  " + format_cpu(r["cpu"], item))
     if "batches" in r:
         lines.append(f"  batches      {r['batches']}  mean size {r['mean_batch_size']:.2f}  "
                      f"histogram {r['batch_size_histogram']}")
@@ -492,14 +498,15 @@ def format_report(r: dict, baseline: Optional[dict] = None) -> str:
     return "\n".join(lines)
 
 
-def format_cpu(cpu: dict) -> str:
-    """One line: CPU microseconds per request served in the window, by group of processes."""
+def format_cpu(cpu: dict, item: str = "image") -> str:
+    """One line: CPU microseconds per request served in the window, by group of processes (and per
+    ``item``, a row, where a request holds several)."""
     us, n = cpu["per_request_us"], cpu["processes"]
     groups = [g for g in ("clients", "model", "supervisor") if g in us]
     line = ("CPU/request  " + "  ".join(f"{g} {us[g]:.1f}" for g in groups)
             + f"  total {us['total']:.1f} us   ({' + '.join(str(n[g]) for g in groups)} processes")
     if cpu["per_item_us"]["total"] != us["total"]:
-        line += f"; per image {cpu['per_item_us']['total']:.1f} us"
+        line += f"; per {item} {cpu['per_item_us']['total']:.1f} us"
     if cpu["unread_processes"]:
         line += f"; {cpu['unread_processes']} not read at both ends"
     return line + ")"

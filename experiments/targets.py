@@ -60,14 +60,15 @@ def _parse(current, text: str):
 
 def _line(tag: str, r: dict) -> str:
     lat, c = r["latency_ms"], r["config"]
-    out = (f"  {tag:<26} {r['throughput']:8.0f} img/s  p50 {lat['p50']:6.2f}  p99 {lat['p99']:6.2f} ms"
+    item = benchmark.item_name(c["model"])
+    out = (f"  {tag:<26} {r['throughput']:8.0f} {item}s/s  p50 {lat['p50']:6.2f}  p99 {lat['p99']:6.2f} ms"
            + (f"  mean batch {r['mean_batch_size']:5.2f}" if "mean_batch_size" in r else ""))
     cpu = r.get("cpu")
     if cpu:
         us, per = cpu["per_request_us"], cpu["per_item_us"]["total"]
         parts = " + ".join(f"{g} {us[g]:.0f}" for g in ("clients", "model", "supervisor") if g in us)
         out += (f"\n  {'':<26} CPU/request {parts} = {us['total']:.0f} us"
-                + (f" (per image {per:.1f} us)" if c["worker_batch"] > 1 else ""))
+                + (f" (per {item} {per:.1f} us)" if c["worker_batch"] > 1 else ""))
         if cpu["unread_processes"]:
             out += f", {cpu['unread_processes']} processes not read at both ends"
     return out
@@ -129,7 +130,8 @@ def main(argv=None):
                         "p99_over_p50": lat["p99"] / lat["p50"]})
             cpu = r.get("cpu", {}).get("per_request_us", {})
             plain_cpu = base.get("cpu", {}).get("per_item_us", {})
-            print(f"  => {out[-1]['ratio']:.2f}x plain ({r['throughput']:.0f} vs {base['throughput']:.0f} img/s);"
+            item = benchmark.item_name(spec.model)
+            print(f"  => {out[-1]['ratio']:.2f}x plain ({r['throughput']:.0f} vs {base['throughput']:.0f} {item}s/s);"
                   f" p99/p50 {out[-1]['p99_over_p50']:.2f}; mps={rs.get('mps', '?')},"
                   f" graphs captured={rs.get('cuda_graphs')}"
                   + (f"; CPU per image {cpu['total']:.0f} vs plain {plain_cpu['total']:.0f} us"

@@ -1,6 +1,7 @@
 """What an operator hit with the `simpledbi` command and benchmark.py: each test failed on the code before."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import secrets
@@ -139,3 +140,16 @@ def test_benchmark_mps_without_the_mps_program_exits_with_one_line(tmp_path):
         "--mps: nvidia-cuda-mps-control is not on PATH: CUDA MPS needs an NVIDIA GPU and its driver "
         "(run without --mps)"], out.stderr
 
+
+def test_benchmark_reports_sequences_per_second_for_the_encoder():
+    # it printed "images/s" (and "per image") whatever the model
+    import benchmark
+    spec = benchmark.BenchSpec(model="encoder", worker_batch=4, dynamic_batch=False)
+    r = {"config": dataclasses.asdict(spec), "mode": "plain", "throughput": 100.0, "requests": 250,
+         "latency_ms": {"mean": 1.0, "p50": 1.0, "p90": 1.0, "p99": 1.0},
+         "cpu": {"per_request_us": {"clients": 8.0, "total": 8.0}, "per_item_us": {"total": 2.0},
+                 "processes": {"clients": 8}, "unread_processes": 0}}
+    text = benchmark.format_report(r)
+    assert "100.0 sequences/s" in text and "per sequence 2.0 us" in text and "image" not in text, text
+    r["config"] = dataclasses.asdict(dataclasses.replace(spec, model="resnet18", image_size=0))
+    assert "100.0 images/s" in benchmark.format_report(r) and "per image 2.0 us" in benchmark.format_report(r)
