@@ -3,13 +3,23 @@ CPython's ``resource_tracker``, scoped to one run). It blocks on a pipe from the
 on its pidfd; normal shutdown sends ``("done",)``. If the main process dies (EOF, or the pidfd
 turns readable) it stops the workers (SIGTERM), gives model processes ``grace`` seconds to notice
 and exit cleanly (a CUDA MPS client should not be killed mid-kernel), kills what is left, then
-stops the private MPS daemon (once its clients are gone) and removes the namespace directory."""
+stops the private MPS daemon (once its clients are gone) and removes the namespace directory.
+
+It is a new program (``python -c``), not a ``multiprocessing`` child, so that it starts in a
+session of its own: a signal to the main process's group -- a notebook kernel's shutdown or restart,
+systemd, ``timeout -s KILL``, ``kill -- -PGID`` -- ends the main process without its clean-up,
+and must not reach the process that does it. A spawned child could leave the group only once its
+entry point ran, after importing the main module (torch and the user's code, 1-4 s): a group
+SIGKILL meanwhile left the namespace and the runtime's name behind."""
 from __future__ import annotations
 
 import contextlib
 import os
 import signal
-from multiprocessing.connection import wait
+import subprocess
+from multiprocessing import spawn
+from multiprocessing.connection import Connection, wait
+from typing import Tuple
 
 from .interrupts import child_signals
 from .layout import STOPPING, ControlBlock
@@ -17,32 +27,59 @@ from .mps import KILL_WAIT, PrivateDaemon, pidfds, signal_all, wait_exit
 from .naming import unregister
 from .shm import sweep_namespace
 
+#: What the janitor runs: this package from where the main process imported it (not the working
+#: directory's, nor another installed version: the two ends speak the same messages).
+_BOOT = ("import sys; sys.path[0] = sys.argv[1]; "   # ('' under -c: the working directory)
+         "from simpledbi.janitor import _main; _main(*sys.argv[2:])")
 
-def janitor_main(namespace: str, conn, grace: float, main_pid: int, forked_end=None) -> None:
-    """``forked_end``: under the fork start method, the fd of the main process's end of the pipe,
-    which this process inherited (closed at once: the main process's exit must be seen)."""
+
+def start_janitor(namespace: str, grace: float) -> Tuple[subprocess.Popen, Connection]:
+    """Start the janitor of ``namespace``; its process and the pipe to tell it what to clean up.
+    The main process's pidfd goes with it, opened here: never a pid the system reused since."""
+    package_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    conn_r, conn_w = os.pipe()
+    try:
+        main_fd = os.pidfd_open(os.getpid())
+    except OSError:   # no pidfds on this kernel: the pipe's end-of-file tells
+        main_fd = -1
+    try:
+        proc = subprocess.Popen(
+            [spawn.get_executable(), "-c", _BOOT, package_parent, namespace, repr(grace), str(conn_r),
+             str(main_fd)], pass_fds=[fd for fd in (conn_r, main_fd) if fd >= 0],
+            stdin=subprocess.DEVNULL, start_new_session=True)
+    except BaseException:
+        os.close(conn_w)
+        raise
+    finally:
+        os.close(conn_r)
+        if main_fd >= 0:
+            os.close(main_fd)
+    return proc, Connection(conn_w, readable=False)
+
+
+def join_janitor(proc: subprocess.Popen, timeout: float) -> None:
+    """Wait for it to finish cleaning up after ``("done",)``; killed after ``timeout``."""
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def _main(namespace: str, grace: str, conn_fd: str, main_fd: str) -> None:
     child_signals()
-    # A signal to the whole process group (a notebook kernel's shutdown or restart, systemd, ``kill
-    # -TERM -PGID``) ends the main process without its clean-up: the janitor outlives it to do that.
-    # A session of its own keeps it out of the group: SIGKILL to it (jupyter_client's shutdown and
-    # restart with now=True, ``timeout -s KILL``) left the namespace and the name behind.
-    with contextlib.suppress(OSError):
-        os.setsid()
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):   # (SIGQUIT: Ctrl-backslash)
         signal.signal(sig, signal.SIG_IGN)
-    if forked_end is not None:
-        with contextlib.suppress(OSError):
-            os.close(forked_end)
+    janitor_main(namespace, Connection(int(conn_fd), writable=False), float(grace), int(main_fd))
+
+
+def janitor_main(namespace: str, conn: Connection, grace: float, main_fd: int) -> None:
+    """``main_fd``: the main process's pidfd, or -1 where the kernel has none."""
     # The pipe's end-of-file alone does not say the main process is gone: every process forked from it
-    # since holds its end too (README, Cleanup). Its pidfd turns readable when it exits (pinned now).
-    try:
-        main, gone = [os.pidfd_open(main_pid)], False
-    except ProcessLookupError:   # it died already
-        main, gone = [], True
-    except OSError:              # no pidfds on this kernel: the pipe's end-of-file tells
-        main, gone = [], False
+    # since holds its end too (README, Cleanup). Its pidfd turns readable when it exits.
+    main = [main_fd] if main_fd >= 0 else []
     plan = _Plan(namespace)
-    orphaned = _follow(conn, plan, main, gone)
+    orphaned = _follow(conn, plan, main)
     for fd in main:
         os.close(fd)
     if orphaned:
@@ -93,16 +130,15 @@ class _Plan:
         return kind == "done"
 
 
-def _follow(conn, plan: _Plan, main_fds, gone: bool) -> bool:
-    """Take the main process's messages until it says it is done (False) or is gone (True);
-    ``gone``: it exited before its pid could be pinned (read what it sent, then stop)."""
+def _follow(conn, plan: _Plan, main_fds) -> bool:
+    """Take the main process's messages until it says it is done (False) or is gone (True)."""
     while True:
-        ready = wait([conn, *main_fds], 0 if gone else None)
+        ready = wait([conn, *main_fds])
         try:
             while conn.poll():   # what it sent before it went, too
                 if plan.take(conn.recv()):
                     return False
         except (EOFError, OSError):
             return True
-        if gone or conn not in ready:    # only the main process's pidfd: it exited
+        if conn not in ready:    # only the main process's pidfd: it exited
             return True

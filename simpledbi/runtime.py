@@ -25,7 +25,7 @@ from . import mps, naming, sources
 from .config import ModelConfig, RuntimeOptions
 from .errors import ModelError, ModelProcessDied
 from .interrupts import children_deaf_to_ctrl_c
-from .janitor import janitor_main
+from .janitor import join_janitor, start_janitor
 from .logs import LogRelay
 from .intake import answer_queued
 from .layout import (BROKEN, DRAINING, INST_LOADING, INST_RESTARTING, RUNNING, ST_STOPPED, STOPPING,
@@ -163,21 +163,8 @@ class Runtime(Supervision, Reloads, Workers):
         return self
 
     def _start_janitor(self) -> None:
-        parent_end, child_end = self.ctx.Pipe()
-        forked_end = parent_end.fileno() if self.ctx.get_start_method() == "fork" else None
-        janitor = self.ctx.Process(target=janitor_main, name="simpledbi-janitor",
-                                   args=(self.namespace, child_end, self.options.join_timeout,
-                                         os.getpid(), forked_end), daemon=False)
-        try:
-            with children_deaf_to_ctrl_c():
-                janitor.start()
-                self._janitor, self._janitor_conn = janitor, parent_end  # only once it runs
-        except BaseException:
-            if self._janitor is None:
-                parent_end.close()
-            raise
-        finally:
-            child_end.close()
+        with children_deaf_to_ctrl_c():   # (recorded inside: NOTE [Ctrl-C and children])
+            self._janitor, self._janitor_conn = start_janitor(self.namespace, self.options.join_timeout)
 
     def _adopt_mps_daemon(self, daemon: mps.PrivateDaemon) -> None:
         """Before the daemon starts: shutdown and the janitor must stop it whatever happens next."""
@@ -340,7 +327,7 @@ class Runtime(Supervision, Reloads, Workers):
                 with self._janitor_lock:   # against a reload thread in _tell_janitor
                     self._janitor_conn.close()
                     self._janitor_conn = None
-                _join_or_kill(self._janitor, self.options.join_timeout)
+                join_janitor(self._janitor, self.options.join_timeout)
             for sig, handler in restore.items():
                 signal.signal(sig, handler)
             if terms:

@@ -28,10 +28,10 @@ def _start(mode: str) -> subprocess.Popen:
 
 
 def _await_children_starting(proc: subprocess.Popen, marks) -> None:
-    """Until the janitor and a model process of ``proc`` (an app run with APP_SLOW_START=marks) are
-    starting: each leaves a file in ``marks`` as it begins importing."""
+    """Until a model process of ``proc`` (an app run with APP_SLOW_START=marks) is starting: it leaves a
+    file in ``marks`` as it begins importing (the janitor, a program of its own, started before it)."""
     deadline = time.monotonic() + 60
-    while len(os.listdir(marks)) < 2:
+    while not os.listdir(marks):
         assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
         threading.Event().wait(0.01)   # bounded wait on a file condition
 
@@ -199,6 +199,32 @@ def test_a_runtime_killed_by_a_signal_leaves_nothing_behind(start_method, to_gro
             proc.kill()
             proc.communicate()
     assert proc.returncode == -sig, (out, err)
+    deadline = time.monotonic() + 30   # the janitor cleans up once it sees the main process gone
+    while (ours(proc.pid) or os.path.exists(registration_path(name))) and time.monotonic() < deadline:
+        threading.Event().wait(0.05)
+    assert ours(proc.pid) == [] and not os.path.exists(registration_path(name))
+
+
+@pytest.mark.timeout(120)
+def test_a_group_sigkill_while_the_model_processes_start_leaves_nothing_behind(tmp_path):
+    # Under spawn the janitor left the process group only once its entry point ran, after it had
+    # imported the main module (torch and the user's code: 1-4 s): a group SIGKILL then (a notebook
+    # kernel restarted while a cell starts a runtime) killed it too, and the namespace and the
+    # name stayed in /dev/shm until another runtime swept them.
+    from simpledbi.naming import registration_path
+    name = f"lifecycle-early-{os.getpid()}"
+    proc = subprocess.Popen([sys.executable, "-m", "tests.apps.app", "runtime", name, "spawn"], cwd=ROOT,
+                            text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                            env=dict(os.environ, APP_SLOW_START=str(tmp_path)))
+    try:
+        _await_children_starting(proc, tmp_path)
+        assert ours(proc.pid) != [] and os.path.exists(registration_path(name))
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
     deadline = time.monotonic() + 30   # the janitor cleans up once it sees the main process gone
     while (ours(proc.pid) or os.path.exists(registration_path(name))) and time.monotonic() < deadline:
         threading.Event().wait(0.05)
