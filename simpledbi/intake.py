@@ -3,6 +3,7 @@ between a datagram and a :class:`~simpledbi.slots.Request` (NOTE [slot protocol]
 datagram and hands it to one process; all it says besides is checked against the sender's slot)."""
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import select
@@ -54,6 +55,7 @@ class Intake:
         sock.setblocking(True)
         self.row, self.limits = row, limits
         self.max_clients, self.supervisor_pid = max_clients, int(ctl.hdr["supervisor_pid"])
+        self.full_hint = "raise ModelConfig.max_clients"   # what a refused newcomer can do
         self.pid, self.uid = os.getpid(), os.getuid()
         self.peers: Dict[Tuple[int, int], Peer] = {}     # (pid, token) -> the slot mapped
         self._layouts: Dict[bytes, Layout] = {}
@@ -193,14 +195,16 @@ class Intake:
             self._make_room()
         try:
             peer = Peer(pid, fd_no, token, os.dup(fd) if fd is not None else None)
-        except (OSError, ValueError) as e:
-            logger.debug("a request of process %d names a slot I cannot use: %s", pid, e)
+        except (OSError, ValueError) as e:   # (its client closed it, or died: nobody waits)
+            out_of_fds = getattr(e, "errno", None) in (errno.EMFILE, errno.ENFILE)
+            logger.log(logging.WARNING if out_of_fds else logging.DEBUG, "%s cannot open the slot of a "
+                       "request of process %d, which is lost: %s", self.tag, pid, e)
             return None
         if len(self.peers) >= self.max_clients:
             seq = struct.unpack_from("<q", peer.seg.buf, PUB_SEQ_OFF)[0]
             if peer.claim(seq, self.row, self.pid):
-                peer.respond(seq, ST_FULL, f"all {self.max_clients} client slots of "
-                             f"this model are in use (raise ModelConfig.max_clients)", claimer=self.row)
+                peer.respond(seq, ST_FULL, f"all {self.max_clients} client slots of this model are in use "
+                             f"({self.full_hint})", claimer=self.row)
             peer.close()
             return None
         self.peers[(pid, token)] = peer

@@ -128,6 +128,15 @@ def affine():
     return Affine()
 
 
+def few_descriptors(spare: int):
+    """An Affine in a model process that may open only ``spare`` more descriptors than it holds
+    now (a host whose hard limit is low, or a factory that lowers it)."""
+    import resource
+    n = len(os.listdir("/proc/self/fd")) + spare
+    resource.setrlimit(resource.RLIMIT_NOFILE, (n, n))
+    return Affine()
+
+
 def concat4():
     return Concat4()
 

@@ -355,6 +355,26 @@ def test_threads_that_come_and_go_do_not_keep_slots(start_runtime):
     _wait_for(lambda: _clients(rt, "affine") == 0)
 
 
+@pytest.mark.timeout(120)
+def test_a_model_process_short_of_descriptors_takes_newcomers_in_place_of_idle_slots(start_runtime):
+    # Each mapped slot holds a descriptor in the model process. Under a descriptor limit below
+    # max_clients, the slot after the last descriptor could not be opened: its request was dropped
+    # and the caller waited out its timeout (forever without one). The process now holds at most
+    # the slots its limit allows, so an idle one makes room as at max_clients.
+    rt = start_runtime(cpu_model("affine", functools.partial(models.few_descriptors, 48), max_batch_size=4))
+    handles = []
+    try:
+        for i in range(80):   # one slot each, kept open and idle
+            m = SharedModel("affine", max_shape=(1, 2), namespace=rt.namespace)
+            handles.append(m)
+            x = np.full((1, 2), float(i), np.float32)
+            np.testing.assert_array_equal(m.forward(x, timeout=10), x * 2 + 1)
+        assert _clients(rt, "affine") < 48
+    finally:
+        for m in handles:
+            m.close()
+
+
 def test_a_client_stopped_with_sigstop_holds_up_nobody(start_runtime):
     rt = start_runtime(cpu_model("affine", models.affine, max_batch_size=4, wait_time=0.01))
     code = ("import sys, numpy as np; from simpledbi import SharedModel; "
