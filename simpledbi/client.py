@@ -188,7 +188,9 @@ class SharedModel(Inputs, LoopCalls):
     def __reduce__(self):
         """Sent to another process (a multiprocessing Pool task, a DataLoader worker's dataset, any
         pickle or deepcopy), a handle arrives as a new one on the same model and runtime, with
-        slots of its own: slots and calls in flight are this process's."""
+        slots of its own: slots and calls in flight are this process's. A closed one arrives closed."""
+        if self._closed:
+            return _Unattached, (self.name, None, RuntimeStopped(f"SharedModel({self.name!r}) is closed"))
         max_shape, dtype = self._args
         where = {"runtime": self.runtime} if self.runtime is not None else {"namespace": self.namespace}
         return _attach, (self.name, max_shape, dtype, dict(
@@ -550,8 +552,8 @@ class _Unattached:
             raise AttributeError(attr)
         raise self._error.with_traceback(None)
 
-    def __reduce__(self):   # sent on: it tries again there
-        return _attach, self._args
+    def __reduce__(self):   # sent on: it tries again there (a closed handle's copy stays closed)
+        return (_attach, self._args) if self._args is not None else (_Unattached, (self.name, None, self._error))
 
     def close(self) -> None:
         pass

@@ -246,6 +246,10 @@ def test_a_handle_sent_to_pool_workers_attaches_there(start_runtime, method):
         np.testing.assert_array_equal(y, np.full((1, 2), 2.0 * v + 1))
     np.testing.assert_array_equal(m.forward(np.ones((1, 2), np.float32)), np.full((1, 2), 3.0))
     m.close()
+    for closed in (__import__("copy").deepcopy(m), __import__("pickle").loads(__import__("pickle").dumps(m))):
+        with pytest.raises(RuntimeStopped, match="is closed"):   # (it arrived open and attached)
+            closed.forward(np.ones((1, 2), np.float32))
+        closed.close()
 
 
 @pytest.mark.timeout(120)
@@ -256,7 +260,7 @@ def test_a_handle_sent_where_its_runtime_is_gone_raises_in_the_task():
     m = SharedModel("affine", (1, 2), namespace=rt.namespace)
     with mp.get_context("spawn").Pool(1) as pool:
         assert pool.apply(_forward_in_worker, (m, 1.0))[1].tolist() == [[3.0, 3.0]]
-        m.close()
         rt.shutdown()
         with pytest.raises(LookupError, match="no simpledbi runtime"):
             pool.apply_async(_forward_in_worker, (m, 1.0)).get(timeout=60)
+        m.close()
