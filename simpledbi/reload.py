@@ -12,7 +12,7 @@ from .config import ModelConfig
 from .errors import RuntimeStopped
 from .layout import INST_DEAD, INST_LOADING, INST_RETIRING, RUNNING, STATE_NAMES
 from . import sources
-from .supervisor import _exited, _ModelProc
+from .supervisor import _ModelProc
 
 logger = logging.getLogger("simpledbi.runtime")
 
@@ -105,22 +105,26 @@ class Reloads:
                         "they took", model, f" from {sources.describe(path) if callable(path) else path}" if path else "", n)
             deadline = time.monotonic() + timeout
             row = ctl.all_instances
-            for m in old:   # ValueError: it exited, and the supervisor reaped and closed it meanwhile
-                with contextlib.suppress(ValueError):
-                    while not self._stop.is_set() and not _exited(m) and time.monotonic() < deadline:
-                        # in 0.5 s steps: a shutdown meanwhile (self._stop) ends the wait promptly
-                        m.proc.join(min(0.5, max(0.0, deadline - time.monotonic())))
-                    if not self._stop.is_set() and not _exited(m) and row[m.row]["held"] == 0:
-                        # it holds nothing: it retires, or is closing (torch's teardown can take longer
-                        # than a short timeout); killed, it logged a death though nothing failed
-                        m.proc.join(self.options.join_timeout)
-                    if not self._stop.is_set() and not _exited(m):
-                        logger.warning("model %r: old process %d did not finish within %g s (the reload's "
-                                       "timeout); killing it: its %d request(s) in progress fail with "
-                                       "ModelProcessDied", model, m.instance, timeout, int(row[m.row]["held"]))
+            for m in old:   # the supervisor reaps them; never joined here (_ModelProc.handled)
+                self._await_exit(m, deadline - time.monotonic())
+                if row[m.row]["held"] == 0:
+                    # it holds nothing: it retires, or is closing (torch's teardown can take longer
+                    # than a short timeout); killed, it logged a death though nothing failed
+                    self._await_exit(m, self.options.join_timeout)
+                if not self._stop.is_set() and not m.handled.is_set():
+                    logger.warning("model %r: old process %d did not finish within %g s (the reload's "
+                                   "timeout); killing it: its %d request(s) in progress fail with "
+                                   "ModelProcessDied", model, m.instance, timeout, int(row[m.row]["held"]))
+                    with contextlib.suppress(ValueError):   # the supervisor closed it: it just exited
                         m.proc.kill()   # (it ignores SIGTERM: interrupts.child_signals)
-                        m.proc.join(self.options.join_timeout)
+                    self._await_exit(m, self.options.join_timeout)
             return cfg
+
+    def _await_exit(self, m: _ModelProc, seconds: float) -> None:
+        """Wait up to ``seconds`` until the supervisor has handled ``m``'s exit, or the runtime stops."""
+        deadline = time.monotonic() + seconds
+        while not self._stop.is_set() and not m.handled.is_set() and (left := deadline - time.monotonic()) > 0:
+            m.handled.wait(min(0.5, left))   # in 0.5 s steps: a shutdown meanwhile ends the wait promptly
 
     def _forget(self, m: _ModelProc) -> None:
         """A process that exited and was handled: release its pipe and handle (a long-lived

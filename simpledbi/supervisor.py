@@ -8,6 +8,7 @@ import logging
 import os
 import signal
 import socket
+import threading
 import time
 from multiprocessing.connection import wait
 
@@ -25,6 +26,11 @@ class _ModelProc:
         self.cfg, self.instance, self.row, self.proc, self.conn = cfg, instance, row, proc, conn
         self.loading, self.exit_handled = True, False
         self.retiring = False    # replaced by a rolling reload: its exit is expected
+        #: Set once the supervisor handled its exit (_on_model_exit: reaped, what it held answered). The
+        #: supervisor is its one reaper: another thread waits on this, never on the process -- of two
+        #: threads' waitpid(), the loser gets ECHILD, which multiprocessing reads as "still running" (a
+        #: reload under load killed an old process that had exited, warning it did not finish).
+        self.handled = threading.Event()
 
     def describe(self) -> str:
         return (f"model {self.cfg.name!r} process {self.instance} (pid {self.proc.pid}) died with "
@@ -38,14 +44,6 @@ def exit_how(code) -> str:
         with contextlib.suppress(ValueError):
             how += f" ({signal.Signals(-code).name})"
     return how
-
-
-def _exited(m: _ModelProc) -> bool:
-    """Has ``m`` exited? (The supervisor may close its handle at any moment once it has.)"""
-    try:
-        return m.exit_handled or m.proc.exitcode is not None
-    except ValueError:
-        return True
 
 
 class Supervision:
@@ -99,6 +97,12 @@ class Supervision:
         if m.exit_handled:
             return
         m.exit_handled = True
+        try:
+            self._handle_exit(m)
+        finally:
+            m.handled.set()
+
+    def _handle_exit(self, m: _ModelProc) -> None:
         m.proc.join(1)   # reaps it: it has exited
         name, ctl = m.cfg.name, self.ctls[m.cfg.name]
         ctl.hdr["deaths"] += 1   # before its callers are woken: a request taken and not yet

@@ -423,3 +423,10 @@ def term_children():
     assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM, status
     return Affine()
 
+
+def slow_exit(seconds: float = 4.0):
+    """The affine model, in a process whose exit takes ``seconds`` more (an atexit sleep: slower than
+    torch's teardown, measured 0.15-0.5 s idle and up to 1.4 s under 4 busy loops on 2 cores)."""
+    import atexit
+    atexit.register(time.sleep, seconds)
+    return Affine()
