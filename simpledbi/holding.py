@@ -47,7 +47,7 @@ class Holding:
         if flight.error is not None or not launched.started or not self.admission.refuses_early:
             return
         intake, backlog, admission = self.intake, self.backlog, self.admission
-        while not launched.ready() and not intake.full and not self._peer_free() and (
+        while not launched.ready() and not intake.full and not self.retiring and not self._peer_free() and (
                 backlog.rows < self.max_batch or admission.takes_more(self.max_batch)):
             got = intake.next(_BUSY_POLL, precise=True)
             if isinstance(got, Request) and self._took(got):
@@ -68,7 +68,7 @@ class Holding:
             intake, watch = self.intake, [self.intake.sock, self._done_r]
             while True:   # until the helper's byte: exactly one per job, always read
                 # (not while a peer is idle: it takes newcomers at once, unrefused; nor beyond takes_more)
-                take = not intake.full and not self._peer_free() and (
+                take = not intake.full and not self.retiring and not self._peer_free() and (
                     self.backlog.rows < self.max_batch or self.admission.takes_more(self.max_batch))
                 ready = select.select(watch if take else watch[1:], (), (), self.poll)[0]
                 if self._done_r in ready:

@@ -217,8 +217,8 @@ class ModelServer(Holding):
                 return
             allowed = max(1, soft - len(os.listdir("/proc/self/fd")) - _FD_RESERVE)
             if allowed < wanted:
-                logger.warning("%s max_clients is %d, but its descriptor limit (%d) leaves room for %d client "
-                               "slots: it maps no more (raise the hard limit, `ulimit -Hn`)",
+                logger.warning("%s max_clients is %d, but its descriptor limit (%d) leaves room for %d "
+                               "client slots: it maps no more (raise the hard limit, `ulimit -Hn`)",
                                self.tag, wanted, soft, allowed)
                 self.intake.max_clients = allowed
                 self.intake.full_hint = f"this process's descriptor limit ({soft}) allows no more"
@@ -379,7 +379,14 @@ class ModelServer(Holding):
             peer.registered = 0
 
     def _took(self, req: Request) -> bool:
-        """A request arrived: learn from it (arrival rate, turnaround); False if refused (answered)."""
+        """A request arrived: learn from it (arrival rate, turnaround); False if refused (answered), or
+        handed back because a reload retired me. Retiring is read here, at each request: a process that
+        took one before its next look at the mark answered it with the old version after a new process
+        had answered that client's previous request."""
+        if self._inst_words[_I_STATE] == INST_RETIRING:
+            self.retiring = True   # (and takes no more: _fill, _await_device, _compute_while_taking)
+            if self.intake.hand_back(req):   # to the model's socket, for the new processes
+                return False
         self._open[id(req)] = req
         peer = req.peer
         if req.seq == peer.answered_seq + 1:  # its last request was answered by me: a sample

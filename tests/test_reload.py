@@ -311,3 +311,26 @@ def test_a_reload_before_start_says_the_runtime_is_not_started():
             rt.reload("m")
     finally:
         rt.shutdown()
+
+
+@pytest.mark.timeout(240)
+def test_once_a_new_process_answered_no_old_one_answers_a_later_request():
+    # One client calling in turn through four reloads (2x+1 <-> 3x+1): an old process blocked in
+    # recvmsg took the client's next request after a new process had answered its last, before it
+    # saw it retires, and answered it with the old version (helper-45: new, old, new answers).
+    cfg = cpu_model("m", models.affine, model_num=2, max_batch_size=4)
+    with Runtime([cfg], FAST) as rt:
+        client = SharedModel("m", (1, 3), namespace=rt.namespace)
+        stop, seen, errors = threading.Event(), [], []
+        caller = threading.Thread(target=_hammer, args=(client, stop, seen, errors, 0))
+        caller.start()
+        try:
+            for version in (models.Triple, models.affine, models.Triple, models.affine):
+                rt.reload("m", version, timeout=60)
+        finally:
+            stop.set()
+            caller.join(60)
+        client.close()
+    assert not errors, errors
+    changes = [k for k in range(1, len(seen)) if seen[k] != seen[k - 1]]
+    assert len(changes) == 4, [seen[k - 1:k + 3] for k in changes]   # each reload switches once
