@@ -42,7 +42,7 @@ class Reloads:
                     raise TypeError(f"reload {model!r}: expected a model file, 'module:function' or a "
                                     f"factory (a callable), got {type(path).__name__} {path!r}")
                 try:
-                    kind, source = sources.resolve(os.fspath(path))
+                    kind, source = sources.resolve(os.fspath(path), by_name=True)
                 except (FileNotFoundError, ValueError) as e:
                     raise type(e)(f"reload {model!r}: {e}") from None
             if path is not None:

@@ -43,10 +43,28 @@ class ByValue:
         return f"<{self.name}, sent by value>"
 
 
+class ByName:
+    """A factory by import path, ``module:function``, imported where it is called: a model process,
+    which reads the module as it is on disk now. A reload to a function added to a module after the
+    runtime's process imported it was refused ("has no ..."): that process checked its own copy."""
+
+    def __init__(self, ref: str):
+        self.ref = ref
+
+    def __call__(self, *args, **kwargs):
+        module = self.ref.partition(":")[0]
+        if module in sys.modules:   # imported before this process was forked from the runtime's
+            importlib.reload(sys.modules[module])
+        return import_factory(self.ref)(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return self.ref
+
+
 def describe(factory) -> str:
     """A factory's name for messages: ``module.qualname``, or its repr."""
-    if isinstance(factory, ByValue):
-        return factory.name
+    if isinstance(factory, (ByValue, ByName)):
+        return factory.name if isinstance(factory, ByValue) else factory.ref
     fn, qualname = _unwrap(factory)
     module = getattr(fn, "__module__", None) or type(fn).__module__
     return f"{module}.{qualname}" if module else qualname
@@ -57,7 +75,7 @@ def import_path(factory) -> str:
     where it has no importable name)."""
     fn, qualname = _unwrap(factory)
     module = getattr(fn, "__module__", None)
-    return f"{module}:{qualname}" if module and not isinstance(factory, ByValue) else describe(factory)
+    return f"{module}:{qualname}" if module and not isinstance(factory, (ByValue, ByName)) else describe(factory)
 
 
 def _unwrap(factory) -> Tuple[Any, str]:
@@ -223,10 +241,11 @@ def is_import_path(where: str) -> bool:
     return bool(_REF.match(where))
 
 
-def resolve(where: str) -> Tuple[str, Any]:
+def resolve(where: str, by_name: bool = False) -> Tuple[str, Any]:
     """A model source given as text: ``("path", where)`` for a model file, ``("factory",
-    function)`` for ``module:function``. Raises FileNotFoundError (nothing of either kind) or
-    ValueError (a factory that does not import, or could be both), saying what was tried."""
+    function)`` for ``module:function`` (``by_name``: a ByName, once its module is found, for a
+    reload: not imported here). Raises FileNotFoundError (nothing of either kind) or ValueError (a
+    factory that does not import, or could be both), saying what was tried."""
     is_file = os.path.isfile(where)
     if not is_import_path(where):
         if is_file and where.endswith(".py"):   # torch.load would call it a corrupted checkpoint
@@ -257,6 +276,14 @@ def resolve(where: str) -> Tuple[str, Any]:
         raise ValueError(f"{where!r} could be the model file {os.path.abspath(where)!r} or the "
                          f"factory {attr!r} of module {module!r}: write './{where}' for the file, "
                          f"or rename the file for the factory")
+    if by_name:
+        _cwd_on_path()
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):
+            found = False
+        if found:
+            return "factory", ByName(where)
     try:
         return "factory", import_factory(where)
     except ValueError as e:

@@ -334,3 +334,27 @@ def test_once_a_new_process_answered_no_old_one_answers_a_later_request():
     assert not errors, errors
     changes = [k for k in range(1, len(seen)) if seen[k] != seen[k - 1]]
     assert len(changes) == 4, [seen[k - 1:k + 3] for k in changes]   # each reload switches once
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("start_method", ["spawn", "fork"])
+def test_a_reload_by_import_path_sees_the_module_as_it_is_now(tmp_path, monkeypatch, start_method):
+    # The runtime's process checked the name against its own copy of the module, imported at start:
+    # a factory added to the file since was "not found" (helper-45), while the model processes would
+    # have imported the file afresh.
+    module = f"reloadable_{secrets.token_hex(4)}"
+    source = tmp_path / f"{module}.py"
+    source.write_text("from tests.models import Affine\n\ndef v1():\n    return Affine()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    first = __import__(module).v1   # imported here, as `simpledbi serve --model m=module:v1` does
+    with Runtime([cpu_model("m", first)], FAST, start_method) as rt:
+        source.write_text(source.read_text() + "\ndef v2():\n    from tests.models import Triple\n"
+                                               "    return Triple()\n")
+        rt.reload("m", f"{module}:v2")
+        with SharedModel("m", (1, 3), namespace=rt.namespace) as client:
+            x = np.ones((1, 3), np.float32)
+            np.testing.assert_array_equal(client.forward(x, timeout=30), x * 3 + 1)
+        with pytest.raises(RuntimeError, match=r"keeps serving.*has no 'v3'"):
+            rt.reload("m", f"{module}:v3")
+        with pytest.raises(ValueError, match=r"cannot import 'no_such_module_here'"):
+            rt.reload("m", "no_such_module_here:v1")
