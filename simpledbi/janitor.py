@@ -14,6 +14,7 @@ SIGKILL meanwhile left the namespace and the runtime's name behind."""
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import signal
 import subprocess
@@ -37,9 +38,9 @@ def start_janitor(namespace: str, grace: float) -> Tuple[subprocess.Popen, Conne
     """Start the janitor of ``namespace``; its process and the pipe to tell it what to clean up.
     The main process's pidfd goes with it, opened here: never a pid the system reused since."""
     package_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    conn_r, conn_w = os.pipe()
+    conn_r, conn_w = _above_stdio(*os.pipe())
     try:
-        main_fd = os.pidfd_open(os.getpid())
+        main_fd, = _above_stdio(os.pidfd_open(os.getpid()))
     except OSError:   # no pidfds on this kernel: the pipe's end-of-file tells
         main_fd = -1
     try:
@@ -55,6 +56,20 @@ def start_janitor(namespace: str, grace: float) -> Tuple[subprocess.Popen, Conne
         if main_fd >= 0:
             os.close(main_fd)
     return proc, Connection(conn_w, readable=False)
+
+
+def _above_stdio(*fds: int) -> Tuple[int, ...]:
+    """``fds`` moved to 3 or above (close-on-exec, as they were): in a program that closed its stdin,
+    stdout or stderr, a new fd takes that number, and the janitor's stdin (/dev/null) or the
+    stdout and stderr it inherits would take its place in the janitor."""
+    out = []
+    for fd in fds:
+        if 0 <= fd <= 2:
+            moved = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 3)
+            os.close(fd)
+            fd = moved
+        out.append(fd)
+    return tuple(out)
 
 
 def join_janitor(proc: subprocess.Popen, timeout: float) -> None:

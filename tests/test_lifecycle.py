@@ -433,6 +433,18 @@ def test_a_forked_child_that_exits_leaves_its_parents_runtime_running():
 
 
 @pytest.mark.timeout(120)
+def test_a_program_that_closed_its_stdin_keeps_its_runtime():
+    # The janitor's pipe took fd 0, which Popen(stdin=DEVNULL) replaced with /dev/null in the janitor:
+    # it read end-of-file at once, took it for the main process's death, killed the model processes
+    # and removed the namespace.
+    proc = _start("stdin_closed")
+    out, err = proc.communicate(timeout=100)
+    assert proc.returncode == 0 and "OK" in out, (out, err)
+    assert "Traceback" not in err, err
+    assert ours(proc.pid) == []
+
+
+@pytest.mark.timeout(120)
 def test_model_processes_under_forkserver_know_the_main_process_is_alive():
     # They took "my parent is not the main process" (it is the fork server) for its death:
     # each exited at its first maintenance, was restarted, and the model was marked broken.

@@ -8,6 +8,7 @@ MODE: ok | worker_raises | worker_dies | busy (loops until signalled; prints REA
 | slow_load DIR (a factory that touches DIR/loading, then takes minutes; join_timeout 30 s)
 | runtime NAME (a started ``Runtime`` named NAME, served once, then idle with no signal handler
 of its own: what a notebook kernel holds; prints READY)
+| stdin_closed (fd 0 closed, then a ``Runtime`` serves 2 s after it started)
 | big_start run|runtime (``Run`` or a bare ``Runtime`` whose factory carries more than a pipe
 holds: starting the model process waits until the child reads it)
 APP_SLOW_START=DIR: each child, while it starts, creates DIR/<pid> and sleeps 3 s.
@@ -127,6 +128,17 @@ def main(mode):
             _, status = os.waitpid(pid, 0)
             np.testing.assert_array_equal(m.forward(x), x * 2 + 1)
             print("OK" if os.waitstatus_to_exitcode(status) == 0 else "CHILD LENT THE PARENT'S SLOTS", flush=True)
+        return 0
+    if mode == "stdin_closed":   # a daemon that closed its stdin: a new fd takes number 0
+        from simpledbi import Runtime
+        os.close(0)
+        cfg = ModelConfig(name="m", factory=affine, max_batch_size=4, device="cpu", num_threads=1)
+        with Runtime([cfg]) as rt:
+            m = SharedModel("m", max_shape=(2, 3), namespace=rt.namespace)
+            x = np.ones((2, 3), np.float32)
+            time.sleep(2)   # the janitor's start (it read /dev/null for its pipe: it cleaned up at once)
+            np.testing.assert_array_equal(m.forward(x), x * 2 + 1)
+            print("OK", flush=True)
         return 0
     if mode == "big_start":
         cfg = ModelConfig(name="m", factory=functools.partial(carrying, b"x" * 300_000), device="cpu")
