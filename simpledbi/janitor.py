@@ -15,9 +15,12 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import os
 import signal
+import socket
 import subprocess
+import sys
 from multiprocessing import spawn
 from multiprocessing.connection import Connection, wait
 from typing import Tuple
@@ -28,34 +31,87 @@ from .mps import KILL_WAIT, PrivateDaemon, pidfds, signal_all, wait_exit
 from .naming import unregister
 from .shm import sweep_namespace
 
-#: What the janitor runs: this package from where the main process imported it (not the working
-#: directory's, nor another installed version: the two ends speak the same messages).
-_BOOT = ("import sys; sys.path[0] = sys.argv[1]; "   # ('' under -c: the working directory)
-         "from simpledbi.janitor import _main; _main(*sys.argv[2:])")
+#: What the janitor runs: the main process's ``sys.path`` (as a spawned child gets it: a script that
+#: edits it to find numpy), then this very package (from its directory, its ``__init__`` not run:
+#: the janitor needs none of the client's imports, nor another installed version of the package).
+_BOOT = ("import json, sys, types; sys.path[:] = json.loads(sys.argv[1]); "
+         "p = sys.modules['simpledbi'] = types.ModuleType('simpledbi'); p.__path__ = [sys.argv[2]]; "
+         "from simpledbi.janitor import _main; _main(*sys.argv[3:])")
 
 
 def start_janitor(namespace: str, grace: float) -> Tuple[subprocess.Popen, Connection]:
-    """Start the janitor of ``namespace``; its process and the pipe to tell it what to clean up.
-    The main process's pidfd goes with it, opened here: never a pid the system reused since."""
-    package_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    conn_r, conn_w = _above_stdio(*os.pipe())
+    """Start the janitor of ``namespace``; its process and the connection to tell it what to clean up
+    (it says it is ready there: :func:`await_janitor`). The main process's pidfd goes with it, opened
+    here: never a pid the system reused since."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    with ours, theirs:
+        ours_fd, theirs_fd = _above_stdio(ours.detach(), theirs.detach())
     try:
         main_fd, = _above_stdio(os.pidfd_open(os.getpid()))
-    except OSError:   # no pidfds on this kernel: the pipe's end-of-file tells
+    except OSError:   # no pidfds on this kernel: the connection's end-of-file tells
         main_fd = -1
     try:
         proc = subprocess.Popen(
-            [spawn.get_executable(), "-c", _BOOT, package_parent, namespace, repr(grace), str(conn_r),
-             str(main_fd)], pass_fds=[fd for fd in (conn_r, main_fd) if fd >= 0],
-            stdin=subprocess.DEVNULL, start_new_session=True)
+            [_interpreter(), "-c", _BOOT, json.dumps(sys.path), os.path.dirname(os.path.abspath(__file__)),
+             namespace, repr(grace), str(theirs_fd), str(main_fd)],
+            pass_fds=[fd for fd in (theirs_fd, main_fd) if fd >= 0], stdin=subprocess.DEVNULL,
+            start_new_session=True)
     except BaseException:
-        os.close(conn_w)
+        os.close(ours_fd)
         raise
     finally:
-        os.close(conn_r)
+        os.close(theirs_fd)
         if main_fd >= 0:
             os.close(main_fd)
-    return proc, Connection(conn_w, readable=False)
+    return proc, Connection(ours_fd)
+
+
+def _interpreter() -> str:
+    """The Python to run the janitor with: multiprocessing's (``set_executable``), else this process's
+    own binary where ``sys.executable`` is empty (``exec -a``) -- if it is a Python."""
+    exe = spawn.get_executable()
+    if exe:
+        return exe
+    with contextlib.suppress(OSError):
+        own = os.readlink("/proc/self/exe")
+        if os.path.basename(own).startswith("python"):
+            return own
+    raise RuntimeError("simpledbi starts a clean-up process with this Python, and sys.executable is "
+                       "empty here: call multiprocessing.set_executable(path to python) first")
+
+
+def await_janitor(proc: subprocess.Popen, conn: Connection, timeout: float) -> None:
+    """Until the janitor says it is ready: one that failed to start (an import error: its traceback
+    is on stderr) would leave nothing to clean up after a kill, silently. ``timeout``: more than its
+    imports ever take (it imports less than a model process)."""
+    try:
+        exited = [_Pidfd(proc.pid)]
+    except OSError:   # no pidfds: its exit closes the connection (end-of-file) too
+        exited = []
+    try:
+        if conn in wait([conn, *exited], timeout) and conn.recv() == ("ready",):
+            return
+    except (EOFError, OSError):
+        pass
+    finally:
+        for fd in exited:
+            fd.close()
+    raise RuntimeError(f"simpledbi's clean-up process (pid {proc.pid}) did not start"
+                       + (f": it exited with code {proc.poll()} (its error is above)" if proc.poll() is not None
+                          else f" within {timeout:g} s"))
+
+
+class _Pidfd:
+    """A process's pidfd, for ``wait`` (readable once it exits)."""
+
+    def __init__(self, pid: int):
+        self.fd = os.pidfd_open(pid)
+
+    def fileno(self) -> int:
+        return self.fd
+
+    def close(self) -> None:
+        os.close(self.fd)
 
 
 def _above_stdio(*fds: int) -> Tuple[int, ...]:
@@ -85,7 +141,10 @@ def _main(namespace: str, grace: str, conn_fd: str, main_fd: str) -> None:
     child_signals()
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):   # (SIGQUIT: Ctrl-backslash)
         signal.signal(sig, signal.SIG_IGN)
-    janitor_main(namespace, Connection(int(conn_fd), writable=False), float(grace), int(main_fd))
+    conn = Connection(int(conn_fd))
+    with contextlib.suppress(OSError):   # (the main process is gone already: janitor_main sees it)
+        conn.send(("ready",))            # (await_janitor)
+    janitor_main(namespace, conn, float(grace), int(main_fd))
 
 
 def janitor_main(namespace: str, conn: Connection, grace: float, main_fd: int) -> None:

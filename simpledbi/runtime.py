@@ -25,7 +25,7 @@ from . import mps, naming, sources
 from .config import ModelConfig, RuntimeOptions
 from .errors import ModelError, ModelProcessDied
 from .interrupts import children_deaf_to_ctrl_c
-from .janitor import join_janitor, start_janitor
+from .janitor import await_janitor, join_janitor, start_janitor
 from .logs import LogRelay
 from .intake import answer_queued
 from .layout import (BROKEN, DRAINING, INST_LOADING, INST_RESTARTING, RUNNING, ST_STOPPED, STOPPING,
@@ -149,6 +149,7 @@ class Runtime(Supervision, Reloads, Workers):
                 for i in range(cfg.model_num):
                     self._spawn_model(cfg, i)
             self._await_models()
+            await_janitor(self._janitor, self._janitor_conn, max(m.load_timeout for m in self.models))
             for cfg in self.models:  # what clients may rely on, published before RUNNING
                 ctl = self.ctls[cfg.name]
                 ctl.write_spec(*self._input_names.get(cfg.name, ((), ())), cfg.input_shapes, cfg.input_dtypes)

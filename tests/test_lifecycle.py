@@ -465,3 +465,34 @@ def test_a_forked_worker_does_not_inherit_runs_sigterm_handler():
     out = Run(target=workers.sigterm_handler_worker, worker_num=1, start_method="fork",
               models=[cpu_model("affine", models.affine)])
     assert out == [repr(signal.SIG_DFL)], out
+
+
+@pytest.mark.timeout(180)
+def test_a_script_that_finds_its_packages_through_sys_path_gets_a_janitor_that_runs(tmp_path):
+    # A Python whose own paths hold no numpy, and a script that adds them to sys.path (as a spawned
+    # child gets them): the janitor, a program of its own, failed to import numpy at start -- a
+    # traceback, and after a SIGKILL nobody removed the namespace or the name.
+    import sysconfig
+    from simpledbi.naming import registration_path
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp_path / "bare")], check=True, timeout=60)
+    paths = [ROOT, sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]]
+    boot = (f"import runpy, sys; sys.path[:0] = {paths!r}; "
+            "runpy.run_module('tests.apps.app', run_name='__main__')")
+    name = f"lifecycle-paths-{os.getpid()}"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.Popen([str(tmp_path / "bare" / "bin" / "python"), "-c", boot, "runtime", name, "spawn"],
+                            cwd=str(tmp_path), text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env=env, start_new_session=True)
+    try:
+        _wait_line(proc, "READY")
+        proc.send_signal(signal.SIGKILL)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    deadline = time.monotonic() + 30   # the janitor cleans up once it sees the main process gone
+    while (ours(proc.pid) or os.path.exists(registration_path(name))) and time.monotonic() < deadline:
+        threading.Event().wait(0.05)
+    assert ours(proc.pid) == [] and not os.path.exists(registration_path(name))
+    assert "Traceback" not in err, err
