@@ -66,14 +66,16 @@ class Answers:
 
     def failure(self, batch: List[Request], error: BaseException, t_close: float) -> None:
         """A batch failed: answer the error, with isolation only to the requests that make the model fail
-        (halves of the batch are retried until each request is answered)."""
+        (halves of the batch are retried until each request is answered). Parts are answered and woken
+        as they are found: the caller counts the batch first, and the errors are counted before their
+        callers wake, so a caller's stats() after its answer includes them."""
         fatal = self.engine.cuda and _is_cuda_fatal(error)
         if fatal or len(batch) == 1 or not self.isolate:
             text = error_text(error)
             logger.error("%s forward failed for a batch of %d requests (%d rows): %s", self.tag,
                          len(batch), sum(r.rows for r in batch), text.split("\n", 2)[1])
+            self._count("errors", len(batch))   # before fail() wakes them: see ModelServer._complete
             self.fail(batch, ST_MODEL_ERROR, text)
-            self._count("errors", len(batch))
             if fatal:
                 logger.error("%s the CUDA context is broken; exiting to be restarted", self.tag)
                 self.fatal = True
@@ -90,8 +92,8 @@ class Answers:
                 check_outputs(result.outputs, total)
             except Exception as e:  # noqa: BLE001
                 if len(part) == 1:
+                    self._count("errors", 1)   # before fail() wakes it
                     self.fail(part, ST_MODEL_ERROR, error_text(e))
-                    self._count("errors", 1)
                     culprits += 1
                 else:
                     todo += [part[:len(part) // 2], part[len(part) // 2:]]

@@ -511,8 +511,8 @@ class ModelServer(Holding):
         # counted before its callers wake (Answers.batch): a caller's stats() after its answer includes it
         count = partial(self.acct.count, batch, total)
         if error is not None:
+            count()   # first: isolating answers (and wakes) parts of the batch as it goes
             self.answers.failure(batch, error, t_close)
-            count()
         else:
             self.answers.batch(batch, result, t_close, total, count)
         if self.backlog.repeats and not self.engine.cuda:

@@ -56,12 +56,18 @@ class Gated(nn.Module):
 
 
 class Faulty(Gated):
-    def __init__(self, gate_name: str = ""):
+    """Raises for a ``RAISE`` input (and misbehaves for the other markers); ``seconds``: each forward
+    pass takes that long more (sleeping), so that a bisection's retries take a while."""
+
+    def __init__(self, gate_name: str = "", seconds: float = 0.0):
         nn.Module.__init__(self)
         if gate_name:
             Gated.__init__(self, gate_name)
+        self.seconds = seconds
 
     def forward(self, x):
+        if self.seconds:
+            time.sleep(self.seconds)
         if bool((x == GATE).any()):
             return Gated.forward(self, x)
         if bool((x == RAISE).any()):
@@ -145,8 +151,8 @@ def gated(gate_name: str):
     return Gated(gate_name)
 
 
-def faulty(gate_name: str = ""):
-    return Faulty(gate_name)
+def faulty(gate_name: str = "", seconds: float = 0.0):
+    return Faulty(gate_name, seconds)
 
 
 def multi_io():

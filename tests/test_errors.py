@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import functools
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -149,10 +148,8 @@ def test_a_poisoned_batch_fails_only_the_culprit_when_isolating(start_runtime, g
         t.join(60)
     # The four queued requests fill one batch (max_batch_size=4), poisoned by request 0.
     assert len(outcomes) == 5 and not isinstance(outcomes.pop("blocker"), Exception)
-    deadline = time.monotonic() + 30  # counters are written just after the callers are answered
-    while model.stats()["batches"] < batches + 2 and time.monotonic() < deadline:
-        threading.Event().wait(0.01)
-    assert model.stats()["batches"] == batches + 2  # the gated batch, then the poisoned one
+    # counted before their callers are woken: the gated batch, then the poisoned one
+    assert model.stats()["batches"] == batches + 2
     assert isinstance(outcomes[0], ModelError) and "poisoned input" in str(outcomes[0])
     if isolate:  # bisection finds the culprit: the three innocent callers get their answers
         for i in (1, 2, 3):
@@ -160,6 +157,53 @@ def test_a_poisoned_batch_fails_only_the_culprit_when_isolating(start_runtime, g
         assert model.stats()["isolated_batches"] == 1 and model.stats()["errors"] == 1
     else:
         assert all(isinstance(v, ModelError) for v in outcomes.values()), outcomes
+    model.close()
+
+
+@pytest.mark.timeout(120)
+def test_stats_count_an_isolated_batch_before_any_of_its_callers_returns(start_runtime, gate):
+    # Isolating answered (and woke) each part of a poisoned batch as it went, and counted the batch's
+    # requests and batches only once the bisection was over: a caller answered early read stats()
+    # without its own call (batches 0, or 4 requests of 8) for as long as the retries still ran.
+    # Each retry here takes 50 ms, so a caller answered early reads stats() while they run.
+    rt = start_runtime(cpu_model("faulty", functools.partial(models.faulty, gate.name, 0.05),
+                                 max_batch_size=8, wait_time=1.0))
+    model = SharedModel("faulty", max_shape=(1, 3), namespace=rt.namespace)
+    before = model.stats()
+    seen, outcomes = {}, {}
+
+    def call(i, value):
+        try:
+            outcomes[i] = model.forward(np.full((1, 3), value, np.float32), timeout=60)
+        except ModelError as e:
+            outcomes[i] = e
+        seen[i] = model.stats()   # at once, as the call returns
+
+    blocker = threading.Thread(target=call, args=("blocker", models.GATE))
+    blocker.start()
+    gate.wait_entered()  # the only model process is busy: the next eight requests queue up
+    threads = [threading.Thread(target=call, args=(i, models.RAISE if i == 7 else float(i)))
+               for i in range(8)]
+    for t in threads:
+        t.start()
+    wait_queued(model, n=8)   # one batch of eight (max_batch_size=8), poisoned by request 7
+    gate.open()
+    for t in threads + [blocker]:
+        t.join(60)
+    assert len(seen) == 9 and isinstance(outcomes[7], ModelError), outcomes
+    assert all(not isinstance(outcomes[i], Exception) for i in range(7)), outcomes
+
+    def grew(stats, key):
+        return stats[key] - before[key]
+
+    for i in range(8):   # the gated batch and the poisoned one, counted before any caller woke
+        assert (grew(seen[i], "requests"), grew(seen[i], "batches"), grew(seen[i], "rows")) == (9, 2, 9), \
+            (i, seen[i])
+        assert seen[i]["isolated_batches"] == 1, (i, seen[i])
+    assert grew(seen[7], "errors") == 1, seen[7]   # the culprit's own error too
+    after = model.stats()
+    assert (grew(after, "requests"), grew(after, "batches"), grew(after, "errors")) == (9, 2, 1), after
+    assert after["mean_batch_size"] == (before["rows"] + 9) / (before["batches"] + 2)
     model.close()
 
 
