@@ -83,8 +83,8 @@ def _parser() -> argparse.ArgumentParser:
                    "as the learned costs say it pays; fixed: up to --wait-time " + _default("batching"))
     s.add_argument("--precision", choices=("float32", "float16", "bfloat16"), help="cast parameters and "
                    "floating inputs to this precision on the device " + _default("precision"))
-    s.add_argument("--max-clients", type=int, help="most clients (SharedModel threads) attached at once "
-                   + _default("max_clients"))
+    s.add_argument("--max-clients", type=int, help="client slots one model process maps at once: a slot per "
+                   "call in flight; idle ones are unmapped to make room " + _default("max_clients"))
     s.add_argument("--max-queue", type=int, help="refuse new requests (Overloaded) beyond this many "
                    "waiting (README, Overload) (default: no bound)")
     s.add_argument("--default-timeout", type=float, help="seconds: the deadline of calls that give "
@@ -93,7 +93,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="item shape of an input (no batch dimension), repeatable in input order; the model "
                    "warms up with it and clients need no max_shape (default: none)")
     s.add_argument("--input-dtype", action="append", metavar="DTYPE", help="numpy dtype of an input, "
-                   "repeatable in input order; requests of another dtype are refused (default: float32)")
+                   "repeatable in input order, one per --input-shape; requests of another dtype are refused "
+                   "(default: none: requests of any dtype are taken; clients and the warm-up use float32)")
     s.add_argument("--mps", choices=("auto", "on", "off"), help="CUDA MPS: auto (a private daemon when "
                    "two or more model processes share a GPU), on (an error if it cannot start), off "
                    + _default("mps", RuntimeOptions))

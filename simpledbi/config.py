@@ -78,8 +78,9 @@ class ModelConfig:
     #: graphs for). One tuple per input; positional requests with another input count are rejected.
     #: Published to clients: ``SharedModel(name)`` then needs no ``max_shape``.
     input_shapes: Optional[Sequence[Sequence[int]]] = None
-    #: numpy dtype names of the inputs for the warm-up; float32 when omitted. When given, requests
-    #: of other dtypes are rejected with "expected <dtype>", by clients before they send.
+    #: numpy dtype names of the inputs (one per ``input_shapes`` entry), for the warm-up; float32 when
+    #: omitted, and then requests of any dtype are taken. When given, requests of other dtypes are
+    #: rejected with "expected <dtype>", by clients before they send.
     input_dtypes: Optional[Sequence[str]] = None
     #: The names clients may pass inputs by (``forward(input_ids=x)``); the model is then called with
     #: those keywords. Default: the parameters of the model's ``forward`` (its signature, or its
@@ -98,7 +99,8 @@ class ModelConfig:
     #: failure is an error). A batch is padded up to the next captured size: like batching, this assumes
     #: independent rows (eval-mode networks).
     cuda_graphs: Union[bool, str, Sequence[int]] = "auto"
-    #: Most clients (SharedModel threads) that may attach at once.
+    #: Client slots one model process maps at once: a slot per call in flight of each handle; idle ones
+    #: are unmapped to make room (README: max_clients).
     max_clients: int = 512
     #: Seconds a model process may take to load and warm up before Run gives up.
     load_timeout: float = 300.0

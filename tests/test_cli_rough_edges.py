@@ -51,6 +51,21 @@ def test_serve_help_describes_every_flag_with_its_default_and_says_flags_overrid
     assert "(default: INFO)" in text and "address for /metrics (default: 0.0.0.0)" in text
 
 
+def test_serve_help_of_max_clients_and_input_dtype_says_what_they_do(capsys):
+    # --max-clients said "most clients (SharedModel threads) attached at once": it bounds the client
+    # slots one model process maps (a slot per call in flight; idle ones unmapped to make room).
+    # --input-dtype said "(default: float32)": it is optional, and without it any dtype is taken.
+    from simpledbi.cli import _parser
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["serve", "--help"])
+    text = " ".join(capsys.readouterr().out.split())   # (argparse wraps the lines)
+    assert "SharedModel threads" not in text and "attached at once" not in text
+    assert ("--max-clients MAX_CLIENTS client slots one model process maps at once: a slot per call in "
+            "flight; idle ones are unmapped to make room (default: 512)") in text
+    assert "another dtype are refused (default: float32)" not in text
+    assert "(default: none: requests of any dtype are taken; clients and the warm-up use float32)" in text
+
+
 @pytest.mark.timeout(60)
 def test_a_relative_model_path_in_the_config_file_is_relative_to_the_files_directory(tmp_path, monkeypatch):
     # it was relative to the working directory: the same file served another model, or none, from elsewhere
