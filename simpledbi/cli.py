@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import importlib.util
 import json
 import logging
@@ -151,10 +152,10 @@ def load_serve_config(args: argparse.Namespace) -> ServeConfig:
     if args.config:
         with open(args.config, "rb") as f:
             doc = tomllib.load(f)
-        unknown = set(doc) - {"name", "metrics_port", "metrics_addr", "drain_timeout", "options", "models"}
-        if unknown:
-            raise ValueError(f"{args.config}: unknown keys {sorted(unknown)}; expected name, "
-                             f"metrics_port, metrics_addr, drain_timeout, [options], [[models]]")
+        top = ("name", "metrics_port", "metrics_addr", "drain_timeout", "options", "models")
+        if unknown := set(doc) - set(top):
+            raise _unknown(args.config, unknown, top, "name, metrics_port, metrics_addr, drain_timeout, "
+                           "[options], [[models]]")
     name = args.name or doc.get("name")
     if not name:
         raise ValueError("a runtime name is needed: --name NAME (clients attach with "
@@ -195,10 +196,9 @@ def load_serve_config(args: argparse.Namespace) -> ServeConfig:
         raise ValueError(f"{args.config}: options: expected an [options] table, got {options!r}")
     if args.mps:
         options = {**options, "mps": args.mps}
-    unknown = sorted(set(options) - {f.name for f in dataclasses.fields(RuntimeOptions)})
-    if unknown:   # (as [[models]] says it: the TypeError named RuntimeOptions.__init__)
-        raise ValueError(f"[options]: unknown {', '.join(unknown)}; expected some of "
-                         f"{', '.join(f.name for f in dataclasses.fields(RuntimeOptions))}")
+    fields = [f.name for f in dataclasses.fields(RuntimeOptions)]
+    if unknown := set(options) - set(fields):   # (as [[models]] says it: the TypeError named RuntimeOptions.__init__)
+        raise _unknown("[options]", unknown, fields)
     try:
         runtime_options = RuntimeOptions(**options)
     except TypeError as e:
@@ -214,14 +214,25 @@ def load_serve_config(args: argparse.Namespace) -> ServeConfig:
 
 
 def _model_config(entry: Dict[str, Any]) -> ModelConfig:   # entry: a fresh dict, changed here
+    fields = [f.name for f in dataclasses.fields(ModelConfig)]
+    if unknown := set(entry) - set(fields):   # (first: before a factory's module is imported)
+        raise _unknown(f"model {entry.get('name')!r} ([[models]])", unknown, fields)
     if isinstance(entry.get("path"), str) and not os.path.isfile(entry["path"]):
         raise ValueError(f"model {entry.get('name')!r}: no model file at {entry['path']!r}")
     if isinstance(entry.get("factory"), str):
         entry["factory"] = sources.import_factory(entry["factory"])
-    if unknown := set(entry) - {f.name for f in dataclasses.fields(ModelConfig)}:
-        raise ValueError(f"model {entry.get('name')!r}: unknown settings {sorted(unknown)}; "
-                         f"expected ModelConfig fields")
     return ModelConfig(**entry)
+
+
+def _unknown(where: str, unknown, valid: Sequence[str], listed: str = "") -> ValueError:
+    """"<where>: unknown setting 'max_batch_sise' (did you mean 'max_batch_size'?); expected some of
+    <the valid ones>" (``listed``: how to list them, if not by their names)."""
+    named = []
+    for key in sorted(map(str, unknown)):
+        close = difflib.get_close_matches(key, valid, n=1)
+        named.append(repr(key) + (f" (did you mean {close[0]!r}?)" if close else ""))
+    return ValueError(f"{where}: unknown setting{'s' if len(named) > 1 else ''} {', '.join(named)}; "
+                      f"expected some of {listed or ', '.join(valid)}")
 
 
 def _serve(args: argparse.Namespace) -> int:

@@ -67,6 +67,32 @@ def test_serve_help_of_max_clients_and_input_dtype_says_what_they_do(capsys):
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("toml,words", [
+    ('[[models]]\nname = "a"\nfactory = "tests.models:affine"\nmax_batch_sise = 4\n',
+     "model 'a' ([[models]]): unknown setting 'max_batch_sise' (did you mean 'max_batch_size'?); "
+     "expected some of name, path, factory, max_batch_size, model_num, wait_time,"),
+    ('[options]\npoll_intervall = 1\n[[models]]\nname = "a"\nfactory = "tests.models:affine"\n',
+     "[options]: unknown setting 'poll_intervall' (did you mean 'poll_interval'?); expected some of "
+     "poll_interval, join_timeout, mps"),
+    ('metrics_prot = 9100\n[[models]]\nname = "a"\nfactory = "tests.models:affine"\n',
+     "unknown setting 'metrics_prot' (did you mean 'metrics_port'?); expected some of name, metrics_port,"),
+])
+def test_a_mistyped_setting_in_the_config_file_is_named_with_the_valid_ones_and_the_close_match(
+        tmp_path, toml, words):
+    # a typo under [[models]] said "unknown settings ['max_batch_sise']; expected ModelConfig fields",
+    # listing none of them; [options] listed them but, like the top level, suggested nothing
+    from simpledbi.cli import _parser, load_serve_config
+    from simpledbi.config import ModelConfig
+    cfg = tmp_path / "serve.toml"
+    cfg.write_text(f'name = "x"\n{toml}')
+    with pytest.raises(ValueError) as info:
+        load_serve_config(_parser().parse_args(["serve", "--config", str(cfg)]))
+    assert words in str(info.value), str(info.value)
+    if "[[models]]" in words:
+        assert str(info.value).endswith(", ".join(f.name for f in dataclasses.fields(ModelConfig))), info.value
+
+
+@pytest.mark.timeout(60)
 def test_a_relative_model_path_in_the_config_file_is_relative_to_the_files_directory(tmp_path, monkeypatch):
     # it was relative to the working directory: the same file served another model, or none, from elsewhere
     from simpledbi.cli import _parser, load_serve_config

@@ -410,13 +410,13 @@ def test_serve_config_from_toml_and_flags(tmp_path):
     assert all(m.model_num == 2 and m.input_shapes == ((3, 4),) for m in sc.models)
     assert all(m.max_queue == 50 and m.default_timeout == 0.25 for m in sc.models)
     cfg.write_text('name = "x"\n[[models]]\nname = "a"\nfactory = "tests.models:affine"\nbatch = 3\n')
-    with pytest.raises(ValueError, match=r"model 'a': unknown settings \['batch'\]"):
+    with pytest.raises(ValueError, match=r"model 'a' \(\[\[models\]\]\): unknown setting 'batch' \(did you mean 'batching'\?\); expected some of name, "):
         load_serve_config(_parser().parse_args(["serve", "--config", str(cfg)]))
     with pytest.raises(ValueError, match="factory 'tests.models:nothing': 'tests.models' has no 'nothing'"):
         load_serve_config(_parser().parse_args(["serve", "--name", "x", "--model",
                                                 "a=tests.models:nothing"]))
     cfg.write_text('name = "x"\n[options]\njoin_timout = 3\n[[models]]\nname = "a"\nfactory = "tests.models:affine"\n')
-    with pytest.raises(ValueError, match=r"\[options\]: unknown join_timout; expected some of .*join_timeout"):
+    with pytest.raises(ValueError, match=r"\[options\]: unknown setting 'join_timout' \(did you mean 'join_timeout'\?\); expected some of .*join_timeout"):
         load_serve_config(_parser().parse_args(["serve", "--config", str(cfg)]))   # (a raw TypeError)
     cfg.write_text('name = "x"\nmetrics_port = "9100"\n[[models]]\nname = "a"\nfactory = "tests.models:affine"\n')
     with pytest.raises(ValueError, match=r"metrics_port: expected a port number 0-65535, got '9100'"):
