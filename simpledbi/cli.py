@@ -326,7 +326,9 @@ def _status(args: argparse.Namespace) -> int:
                   else f"NOT READY: {e}")
             return 1
         raise
-    if args.json:   # ("ready" is a property: asdict leaves it out)
+    if args.json and args.check:   # a health check's answer, on one line (not every histogram bound)
+        print(json.dumps(_health(info)))
+    elif args.json:   # ("ready" is a property: asdict leaves it out)
         print(json.dumps({**dataclasses.asdict(info), "ready": info.ready}, indent=1, default=str))
     elif args.check:
         bad = [f"{m.name} {m.state}" + ("" if m.state != "running" else ", no instance ready: " +
@@ -337,3 +339,12 @@ def _status(args: argparse.Namespace) -> int:
     else:
         print(format_status(info))
     return 0 if info.ready or not args.check else 1
+
+
+def _health(info) -> Dict[str, Any]:
+    """`status --check --json`: whether the runtime and each model serve, and how many model
+    processes of each are ready (of how many)."""
+    return {"name": info.name, "ready": info.ready, "pid": info.pid, "alive": info.alive,
+            "models": [{"name": m.name, "state": m.state, "ready": m.ready,
+                        "ready_instances": sum(i.alive and i.state == "ready" for i in m.instances),
+                        "instances": len(m.instances)} for m in info.models]}

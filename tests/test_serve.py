@@ -562,6 +562,25 @@ def test_inspect_and_status_read_a_runtime_without_taking_a_slot(gate):
 
 
 @pytest.mark.timeout(120)
+def test_status_check_json_is_one_line_of_health_and_plain_json_keeps_everything(capsys):
+    # --check --json printed the whole of --json (~400 lines, a histogram bound a line)
+    name = _name()
+    with Runtime([cpu_model("m", models.affine, model_num=2)], FAST, name=name) as rt:
+        rc, out = _status_out(capsys, name, "--check", "--json")
+        assert rc == 0 and out.count("\n") == 1, out
+        assert json.loads(out) == {
+            "name": name, "ready": True, "pid": os.getpid(), "alive": True,
+            "models": [{"name": "m", "state": "running", "ready": True, "ready_instances": 2, "instances": 2}]}
+        rc, out = _status_out(capsys, name, "--json")
+        full = json.loads(out)
+        assert rc == 0 and full["namespace"] == rt.namespace and full["ready"] is True
+        assert full["models"][0]["latency"]["bounds"] and out.count("\n") > 100
+    rc, out = _status_out(capsys, name, "--check", "--json")
+    assert rc == 1 and json.loads(out) == {"name": name, "ready": False,
+                                           "error": f"no simpledbi runtime named {name!r} is running"}
+
+
+@pytest.mark.timeout(120)
 def test_prometheus_collector_exports_the_runtime_counters():
     prometheus_client = pytest.importorskip("prometheus_client")
     from simpledbi.metrics import RuntimeCollector
