@@ -118,7 +118,9 @@ def inspect(runtime: Optional[str] = None, *, namespace: Optional[str] = None) -
             runtime = os.environ.get(naming.ENV_RUNTIME) or _only_runtime()
         reg = naming.resolve(runtime)
         if reg is None:
-            raise LookupError(f"no simpledbi runtime named {runtime!r} is running")
+            raise LookupError(f"no simpledbi runtime named {runtime!r} is running (a `simpledbi serve` "
+                              f"registers its name once its models start loading, after importing "
+                              f"their modules: if one is starting, try again in a few seconds)")
         namespace, pid, model_names = reg.namespace, reg.pid, list(reg.models)
     else:
         try:

@@ -137,7 +137,9 @@ def test_status_json_check_prints_json_and_keeps_the_health_check_exit_code():
     out = _simpledbi("status", name, "--json", "--check")
     assert out.returncode == 1, out
     assert json.loads(out.stdout) == {"name": name, "ready": False,
-                                      "error": f"no simpledbi runtime named {name!r} is running"}
+                                      "error": f"no simpledbi runtime named {name!r} is running (a `simpledbi serve` "
+                     f"registers its name once its models start loading, after importing their "
+                     f"modules: if one is starting, try again in a few seconds)"}
     with Runtime([cpu_model("m", models.affine)], FAST, name=name):
         out = _simpledbi("status", name, "--json", "--check")
     assert out.returncode == 0, out

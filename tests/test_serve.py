@@ -561,6 +561,12 @@ def test_inspect_and_status_read_a_runtime_without_taking_a_slot(gate):
     assert check.returncode == 1 and check.stdout.startswith("NOT READY"), check
 
 
+def _status_out(capsys, *args: str):
+    from simpledbi.cli import main
+    rc = main(["status", *args])
+    return rc, capsys.readouterr().out
+
+
 @pytest.mark.timeout(120)
 def test_status_check_json_is_one_line_of_health_and_plain_json_keeps_everything(capsys):
     # --check --json printed the whole of --json (~400 lines, a histogram bound a line)
@@ -577,7 +583,9 @@ def test_status_check_json_is_one_line_of_health_and_plain_json_keeps_everything
         assert full["models"][0]["latency"]["bounds"] and out.count("\n") > 100
     rc, out = _status_out(capsys, name, "--check", "--json")
     assert rc == 1 and json.loads(out) == {"name": name, "ready": False,
-                                           "error": f"no simpledbi runtime named {name!r} is running"}
+                                           "error": f"no simpledbi runtime named {name!r} is running (a `simpledbi serve` "
+                     f"registers its name once its models start loading, after importing their "
+                     f"modules: if one is starting, try again in a few seconds)"}
 
 
 @pytest.mark.timeout(120)
