@@ -95,7 +95,9 @@ def load_model(cfg: ModelConfig, device: torch.device):
     if cfg.factory is not None:
         model = cfg.factory()
     elif cfg.path.endswith(".pt2"):
-        model = torch.export.load(cfg.path).module()
+        program = torch.export.load(cfg.path)
+        _check_batch_dimension(cfg, program)
+        model = program.module()
     else:
         model = torch.jit.load(cfg.path, map_location=device)
     if not callable(model):
@@ -108,6 +110,20 @@ def load_model(cfg: ModelConfig, device: torch.device):
         if cfg.precision != "float32":
             model.to(getattr(torch, cfg.precision))
     return model
+
+
+def _check_batch_dimension(cfg: ModelConfig, program) -> None:
+    """A program exported with a fixed number of rows runs no batch of another size: it loaded, and
+    the first such batch failed its callers with a guard ("Guard failed: x.size()[0] == 2")."""
+    user = set(program.graph_signature.user_inputs)
+    for node in program.graph.nodes:
+        shape = getattr(node.meta.get("val"), "shape", None) if node.op == "placeholder" else None
+        if node.name in user and shape and isinstance(shape[0], int) and not shape[0] == 1 == cfg.max_batch_size:
+            raise ValueError(
+                f"{cfg.path} was exported with a fixed batch size: input {node.name!r} has {shape[0]} rows, and "
+                f"batches of 1 to {cfg.max_batch_size} rows run here. Export it with a dynamic first dimension: "
+                f"torch.export.export(model, args, dynamic_shapes={{{node.name!r}: {{0: torch.export.Dim("
+                f"'batch', max={max(cfg.max_batch_size, 2)})}}}})")
 
 
 @dataclass

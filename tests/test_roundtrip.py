@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from simpledbi import ModelConfig, Run, SharedModel
+from simpledbi import ModelConfig, ModelError, Run, Runtime, SharedModel
 
 from . import models, workers
 from .conftest import FAST, cpu_model, hammer_affine
@@ -169,3 +169,21 @@ def test_torchscript_and_torch_export_files(start_runtime, tmp_path):
     for i in range(len(paths)):
         with SharedModel(f"m{i}", max_shape=(2, 3, 224, 224), namespace=rt.namespace) as model:
             np.testing.assert_allclose(model.forward(x), ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.timeout(120)
+def test_a_torch_export_file_with_a_fixed_batch_size_is_refused_at_load_saying_how_to_export_it(tmp_path):
+    # It loaded, and the first batch of another row count failed its caller with "Guard failed:
+    # x.size()[0] == 2" (helper-45), long after start-up.
+    path = str(tmp_path / "fixed.pt2")
+    torch.export.save(torch.export.export(models.Affine(), (torch.ones(2, 3),)), path)
+    with pytest.raises(ModelError, match=r"fixed\.pt2 was exported with a fixed batch size: input 'x' "
+                                           r"has 2 rows.*dynamic_shapes=\{'x': \{0: torch\.export\.Dim"):
+        Runtime([ModelConfig(name="m", path=path, max_batch_size=4, device="cpu", num_threads=1)]).start()
+    batch = torch.export.Dim("batch", min=1, max=64)
+    torch.export.save(torch.export.export(models.Affine(), (torch.ones(2, 3),), dynamic_shapes={"x": {0: batch}}),
+                      path)
+    with Runtime([ModelConfig(name="m", path=path, max_batch_size=4, device="cpu", num_threads=1)]) as rt:
+        with SharedModel("m", (3, 3), namespace=rt.namespace) as model:
+            x = np.ones((3, 3), np.float32)
+            np.testing.assert_array_equal(model.forward(x), x * 2 + 1)
