@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import json
 import os
 import signal
 import socket
@@ -31,12 +30,22 @@ from .mps import KILL_WAIT, PrivateDaemon, pidfds, signal_all, wait_exit
 from .naming import unregister
 from .shm import sweep_namespace
 
-#: What the janitor runs: the main process's ``sys.path`` (as a spawned child gets it: a script that
+#: What the janitor runs. First without the working directory ('' under -c: a json.py there was
+#: imported), then the main process's ``sys.path`` -- sent on the connection (on the command line a
+#: long one exceeded the kernel's 128 KiB per argument) -- as a spawned child gets it (a script that
 #: edits it to find numpy), then this very package (from its directory, its ``__init__`` not run:
 #: the janitor needs none of the client's imports, nor another installed version of the package).
-_BOOT = ("import json, sys, types; sys.path[:] = json.loads(sys.argv[1]); "
-         "p = sys.modules['simpledbi'] = types.ModuleType('simpledbi'); p.__path__ = [sys.argv[2]]; "
-         "from simpledbi.janitor import _main; _main(*sys.argv[3:])")
+_BOOT = ("import sys; sys.path[:] = [p for p in sys.path if p]; import types; "
+         "from multiprocessing.connection import Connection; c = Connection(int(sys.argv[2])); "
+         "sys.path[:] = c.recv(); p = sys.modules['simpledbi'] = types.ModuleType('simpledbi'); "
+         "p.__path__ = [sys.argv[1]]; from simpledbi.janitor import _main; _main(c, *sys.argv[3:])")
+
+
+#: How long start() waits for the janitor to say it is ready (after the models loaded, so mostly
+#: overlapped): it imports numpy and a few modules of ours, well under a second; a minute allows a
+#: crowded or swapping host, while a janitor that cannot run (stopped, starved) fails start() in a
+#: minute rather than after the models' load_timeout (300 s by default).
+READY_WAIT = 60.0
 
 
 def start_janitor(namespace: str, grace: float) -> Tuple[subprocess.Popen, Connection]:
@@ -52,8 +61,8 @@ def start_janitor(namespace: str, grace: float) -> Tuple[subprocess.Popen, Conne
         main_fd = -1
     try:
         proc = subprocess.Popen(
-            [_interpreter(), "-c", _BOOT, json.dumps(sys.path), os.path.dirname(os.path.abspath(__file__)),
-             namespace, repr(grace), str(theirs_fd), str(main_fd)],
+            [_interpreter(), "-c", _BOOT, os.path.dirname(os.path.abspath(__file__)), str(theirs_fd),
+             namespace, repr(grace), str(main_fd)],
             pass_fds=[fd for fd in (theirs_fd, main_fd) if fd >= 0], stdin=subprocess.DEVNULL,
             start_new_session=True)
     except BaseException:
@@ -63,7 +72,12 @@ def start_janitor(namespace: str, grace: float) -> Tuple[subprocess.Popen, Conne
         os.close(theirs_fd)
         if main_fd >= 0:
             os.close(main_fd)
-    return proc, Connection(ours_fd)
+    conn = Connection(ours_fd)
+    try:
+        conn.send(list(sys.path))   # (_BOOT reads it first)
+    except OSError:   # it died at once: await_janitor says so
+        pass
+    return proc, conn
 
 
 def _interpreter() -> str:
@@ -80,10 +94,9 @@ def _interpreter() -> str:
                        "empty here: call multiprocessing.set_executable(path to python) first")
 
 
-def await_janitor(proc: subprocess.Popen, conn: Connection, timeout: float) -> None:
+def await_janitor(proc: subprocess.Popen, conn: Connection, timeout: float = READY_WAIT) -> None:
     """Until the janitor says it is ready: one that failed to start (an import error: its traceback
-    is on stderr) would leave nothing to clean up after a kill, silently. ``timeout``: more than its
-    imports ever take (it imports less than a model process)."""
+    is on stderr) would leave nothing to clean up after a kill, silently."""
     try:
         exited = [_Pidfd(proc.pid)]
     except OSError:   # no pidfds: its exit closes the connection (end-of-file) too
@@ -137,11 +150,10 @@ def join_janitor(proc: subprocess.Popen, timeout: float) -> None:
         proc.wait()
 
 
-def _main(namespace: str, grace: str, conn_fd: str, main_fd: str) -> None:
+def _main(conn: Connection, namespace: str, grace: str, main_fd: str) -> None:
     child_signals()
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):   # (SIGQUIT: Ctrl-backslash)
         signal.signal(sig, signal.SIG_IGN)
-    conn = Connection(int(conn_fd))
     with contextlib.suppress(OSError):   # (the main process is gone already: janitor_main sees it)
         conn.send(("ready",))            # (await_janitor)
     janitor_main(namespace, conn, float(grace), int(main_fd))

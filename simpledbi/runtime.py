@@ -149,7 +149,7 @@ class Runtime(Supervision, Reloads, Workers):
                 for i in range(cfg.model_num):
                     self._spawn_model(cfg, i)
             self._await_models()
-            await_janitor(self._janitor, self._janitor_conn, max(m.load_timeout for m in self.models))
+            await_janitor(self._janitor, self._janitor_conn)
             for cfg in self.models:  # what clients may rely on, published before RUNNING
                 ctl = self.ctls[cfg.name]
                 ctl.write_spec(*self._input_names.get(cfg.name, ((), ())), cfg.input_shapes, cfg.input_dtypes)

@@ -496,3 +496,22 @@ def test_a_script_that_finds_its_packages_through_sys_path_gets_a_janitor_that_r
         threading.Event().wait(0.05)
     assert ours(proc.pid) == [] and not os.path.exists(registration_path(name))
     assert "Traceback" not in err, err
+
+
+@pytest.mark.timeout(120)
+def test_a_json_py_in_the_working_directory_does_not_stop_the_janitor(tmp_path):
+    # The janitor, `python -c`, has the working directory first on its path: it imported a json.py
+    # there, died, and start() failed ("the clean-up process did not start").
+    (tmp_path / "json.py").write_text("raise ImportError('the json.py of the working directory')\n")
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "apps", "app.py"), "ok"],
+                            cwd=str(tmp_path), text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env=dict(os.environ, PYTHONPATH=ROOT))
+    try:
+        out, err = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0 and "RESULT [0, 1, 2]" in out, (out, err)
+    assert _clean(err), err
+    assert ours(proc.pid) == []
