@@ -56,6 +56,7 @@ class Intake:
         self.row, self.limits = row, limits
         self.max_clients, self.supervisor_pid = max_clients, int(ctl.hdr["supervisor_pid"])
         self.full_hint = "raise ModelConfig.max_clients"   # what a refused newcomer can do
+        self._spare = _reserve_descriptor()   # freed to answer a newcomer when out of them
         self.pid, self.uid = os.getpid(), os.getuid()
         self.peers: Dict[Tuple[int, int], Peer] = {}     # (pid, token) -> the slot mapped
         self._layouts: Dict[bytes, Layout] = {}
@@ -194,23 +195,46 @@ class Intake:
         if len(self.peers) >= self.max_clients:
             self._make_room()
         try:
-            peer = Peer(pid, fd_no, token, os.dup(fd) if fd is not None else None)
+            try:
+                peer = Peer(pid, fd_no, token, os.dup(fd) if fd is not None else None)
+            except OSError as e:
+                if e.errno not in (errno.EMFILE, errno.ENFILE) or self._spare < 0:
+                    raise
+                self._out_of_descriptors(e)
+                peer = Peer(pid, fd_no, token, os.dup(fd) if fd is not None else None)
         except (OSError, ValueError) as e:   # (its client closed it, or died: nobody waits)
-            out_of_fds = getattr(e, "errno", None) in (errno.EMFILE, errno.ENFILE)
-            logger.log(logging.WARNING if out_of_fds else logging.DEBUG, "%s cannot open the slot of a "
-                       "request of process %d, which is lost: %s", self.tag, pid, e)
+            logger.debug("%s cannot open the slot of a request of process %d: %s", self.tag, pid, e)
             return None
-        if len(self.peers) >= self.max_clients:
-            seq = struct.unpack_from("<q", peer.seg.buf, PUB_SEQ_OFF)[0]
-            if peer.claim(seq, self.row, self.pid):
-                peer.respond(seq, ST_FULL, f"all {self.max_clients} client slots of this model are in use "
-                             f"({self.full_hint})", claimer=self.row)
-            peer.close()
-            return None
-        self.peers[(pid, token)] = peer
-        self._inst[_INST_CLIENTS] = len(self.peers)
-        self.on_new_peer(peer)
-        return peer
+        try:
+            if len(self.peers) >= self.max_clients:
+                seq = struct.unpack_from("<q", peer.seg.buf, PUB_SEQ_OFF)[0]
+                if peer.claim(seq, self.row, self.pid):
+                    peer.respond(seq, ST_FULL, f"all {self.max_clients} client slots of this model are in "
+                                 f"use ({self.full_hint})", claimer=self.row)
+                peer.close()
+                return None
+            self.peers[(pid, token)] = peer
+            self._inst[_INST_CLIENTS] = len(self.peers)
+            self.on_new_peer(peer)
+            return peer
+        finally:
+            if self._spare < 0:
+                self._spare = _reserve_descriptor()
+
+    def _out_of_descriptors(self, e: OSError) -> None:
+        """Out of descriptors though the process sized its slots to its limit at start (the model's
+        code opened more since): it maps no more slots than now -- an idle one makes room, as at
+        ``max_clients`` -- and this newcomer's is opened on the reserve descriptor, so that it is
+        answered at least (it was dropped, its caller waiting out its timeout, forever without one)."""
+        if self.max_clients > len(self.peers):
+            logger.warning("%s out of descriptors (%s) with %d client slots mapped: it maps no more (raise "
+                           "the hard limit, `ulimit -Hn`, or open fewer files in the model)",
+                           self.tag, e.strerror, len(self.peers))
+            self.max_clients = max(1, len(self.peers))
+            self.full_hint = "this process ran out of descriptors"
+        self._make_room()
+        os.close(self._spare)
+        self._spare = -1
 
     def _make_room(self) -> None:
         """At max_clients, unmap a slot with no request held here: one its client closed, else the one
@@ -284,8 +308,19 @@ class Intake:
             self.on_drop(peer)
             peer.close()
         self.peers.clear()
+        if self._spare >= 0:
+            os.close(self._spare)
+            self._spare = -1
         for view in (self._held, self._inst, self._all_inst):
             view.release()
+
+
+def _reserve_descriptor() -> int:
+    """A descriptor held in reserve (Intake._out_of_descriptors), or -1 if none can be had."""
+    try:
+        return os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return -1
 
 
 # ---------------------------------------------------------------- the runtime's side

@@ -143,6 +143,27 @@ def few_descriptors(spare: int):
     return Affine()
 
 
+class Leaky(Affine):
+    """Opens ``leak`` descriptors at its first forward pass and keeps them (a model that opens files
+    lazily), in a process that may open only ``spare`` more than it held when it was built."""
+
+    def __init__(self, spare: int, leak: int):
+        super().__init__()
+        import resource
+        n = len(os.listdir("/proc/self/fd")) + spare
+        resource.setrlimit(resource.RLIMIT_NOFILE, (n, n))
+        self.leak, self.kept = leak, []
+
+    def forward(self, x):
+        while len(self.kept) < self.leak:
+            self.kept.append(open(os.devnull))
+        return super().forward(x)
+
+
+def leaky(spare: int, leak: int):
+    return Leaky(spare, leak)
+
+
 def concat4():
     return Concat4()
 

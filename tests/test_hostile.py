@@ -375,6 +375,25 @@ def test_a_model_process_short_of_descriptors_takes_newcomers_in_place_of_idle_s
             m.close()
 
 
+@pytest.mark.timeout(120)
+def test_a_model_that_opens_files_after_start_up_still_answers_every_newcomer(start_runtime):
+    # Slots are sized to the descriptor limit at start-up: a model that opened 40 files at its first
+    # batch left the process out of descriptors, and each newcomer's request was dropped (helper-47:
+    # 40 calls waited out their 15 s timeout). Now an idle slot makes room, or the newcomer is
+    # answered "full" on a descriptor held in reserve.
+    rt = start_runtime(cpu_model("affine", functools.partial(models.leaky, 48, 40), max_batch_size=4))
+    handles = []
+    try:
+        for i in range(30):   # one slot each, kept open and idle
+            m = SharedModel("affine", max_shape=(1, 2), namespace=rt.namespace)
+            handles.append(m)
+            x = np.full((1, 2), float(i), np.float32)
+            np.testing.assert_array_equal(m.forward(x, timeout=10), x * 2 + 1)
+    finally:
+        for m in handles:
+            m.close()
+
+
 def test_a_client_stopped_with_sigstop_holds_up_nobody(start_runtime):
     rt = start_runtime(cpu_model("affine", models.affine, max_batch_size=4, wait_time=0.01))
     code = ("import sys, numpy as np; from simpledbi import SharedModel; "
