@@ -266,28 +266,26 @@ def resolve(where: str, by_name: bool = False) -> Tuple[str, Any]:
         raise FileNotFoundError(f"no model file at {where!r}{hint}")
     module, _, attr = where.partition(":")
     if is_file:
-        _cwd_on_path()
-        try:
-            importable = importlib.util.find_spec(module) is not None
-        except (ImportError, ValueError):
-            importable = False
-        if not importable:
+        if not _findable(module):
             return "path", where
         raise ValueError(f"{where!r} could be the model file {os.path.abspath(where)!r} or the "
                          f"factory {attr!r} of module {module!r}: write './{where}' for the file, "
                          f"or rename the file for the factory")
-    if by_name:
-        _cwd_on_path()
-        try:
-            found = importlib.util.find_spec(module) is not None
-        except (ImportError, ValueError):
-            found = False
-        if found:
-            return "factory", ByName(where)
+    if by_name and _findable(module):
+        return "factory", ByName(where)
     try:
         return "factory", import_factory(where)
     except ValueError as e:
         raise ValueError(f"{e} (and there is no model file {where!r})") from None
+
+
+def _findable(module: str) -> bool:
+    """Can ``module`` be imported from here (found, not imported)?"""
+    _cwd_on_path()
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def _module_hint(module: str, attr: str) -> str:

@@ -47,6 +47,16 @@ def _run(mode: str):
     return proc, out, err
 
 
+def _assert_cleaned_up_after(pid: int, name: str) -> None:
+    """Until the janitor of the runtime ``name`` of the killed process ``pid`` removed its namespace
+    and its name (it does once it sees the main process gone), for at most 30 s."""
+    from simpledbi.naming import registration_path
+    deadline = time.monotonic() + 30
+    while (ours(pid) or os.path.exists(registration_path(name))) and time.monotonic() < deadline:
+        threading.Event().wait(0.05)
+    assert ours(pid) == [] and not os.path.exists(registration_path(name))
+
+
 def _wait_line(proc: subprocess.Popen, word: str, timeout: float = 60) -> str:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -199,10 +209,7 @@ def test_a_runtime_killed_by_a_signal_leaves_nothing_behind(start_method, to_gro
             proc.kill()
             proc.communicate()
     assert proc.returncode == -sig, (out, err)
-    deadline = time.monotonic() + 30   # the janitor cleans up once it sees the main process gone
-    while (ours(proc.pid) or os.path.exists(registration_path(name))) and time.monotonic() < deadline:
-        threading.Event().wait(0.05)
-    assert ours(proc.pid) == [] and not os.path.exists(registration_path(name))
+    _assert_cleaned_up_after(proc.pid, name)
 
 
 @pytest.mark.timeout(120)
@@ -225,10 +232,7 @@ def test_a_group_sigkill_while_the_model_processes_start_leaves_nothing_behind(t
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
-    deadline = time.monotonic() + 30   # the janitor cleans up once it sees the main process gone
-    while (ours(proc.pid) or os.path.exists(registration_path(name))) and time.monotonic() < deadline:
-        threading.Event().wait(0.05)
-    assert ours(proc.pid) == [] and not os.path.exists(registration_path(name))
+    _assert_cleaned_up_after(proc.pid, name)
 
 
 @pytest.mark.timeout(120)
@@ -473,7 +477,6 @@ def test_a_script_that_finds_its_packages_through_sys_path_gets_a_janitor_that_r
     # child gets them): the janitor, a program of its own, failed to import numpy at start -- a
     # traceback, and after a SIGKILL nobody removed the namespace or the name.
     import sysconfig
-    from simpledbi.naming import registration_path
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp_path / "bare")], check=True, timeout=60)
     paths = [ROOT, sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]]
     boot = (f"import runpy, sys; sys.path[:0] = {paths!r}; "
@@ -491,10 +494,7 @@ def test_a_script_that_finds_its_packages_through_sys_path_gets_a_janitor_that_r
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
-    deadline = time.monotonic() + 30   # the janitor cleans up once it sees the main process gone
-    while (ours(proc.pid) or os.path.exists(registration_path(name))) and time.monotonic() < deadline:
-        threading.Event().wait(0.05)
-    assert ours(proc.pid) == [] and not os.path.exists(registration_path(name))
+    _assert_cleaned_up_after(proc.pid, name)
     assert "Traceback" not in err, err
 
 
