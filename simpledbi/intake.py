@@ -3,9 +3,11 @@ between a datagram and a :class:`~simpledbi.slots.Request` (NOTE [slot protocol]
 datagram and hands it to one process; all it says besides is checked against the sender's slot)."""
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
+import resource
 import select
 import socket
 import struct
@@ -39,6 +41,10 @@ _PRECISE_BELOW = 0.02
 #: unwritten pages costs its client nothing, staging its "inputs" would cost this process their
 #: full size. Halved, more requests pay an fstat; doubled, a liar's request costs more to stage.
 _HOLES_CHECKED = 1 << 20
+#: Descriptors kept free below the process's limit when it sizes its client slots (a mapped slot
+#: holds one): what it opens once serving -- a refused newcomer's slot, a passed descriptor and its
+#: dup, what the model's code or CUDA opens lazily (more than that: _out_of_descriptors).
+_FD_RESERVE = 32
 
 
 class Intake:
@@ -220,6 +226,23 @@ class Intake:
         finally:
             if self._spare < 0:
                 self._spare = _reserve_descriptor()
+
+    def fit_to_descriptors(self) -> None:
+        """Map at most as many client slots as the descriptor limit leaves room for (each holds one;
+        model_process_main raised the soft limit to the hard one): past that the process makes room
+        as at ``max_clients`` (an idle slot goes, else the newcomer is refused) instead of failing to
+        open the newcomer's slot, which dropped its request unanswered."""
+        with contextlib.suppress(OSError, ValueError):
+            soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+            if soft == resource.RLIM_INFINITY:
+                return
+            allowed = max(1, soft - len(os.listdir("/proc/self/fd")) - _FD_RESERVE)
+            if allowed < self.max_clients:
+                logger.warning("%s max_clients is %d, but its descriptor limit (%d) leaves room for %d "
+                               "client slots: it maps no more (raise the hard limit, `ulimit -Hn`)",
+                               self.tag, self.max_clients, soft, allowed)
+                self.max_clients = allowed
+                self.full_hint = f"this process's descriptor limit ({soft}) allows no more"
 
     def _out_of_descriptors(self, e: OSError) -> None:
         """Out of descriptors though the process sized its slots to its limit at start (the model's

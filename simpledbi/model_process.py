@@ -41,10 +41,6 @@ logger = logging.getLogger(__name__)
 #: paused (between jobs, asleep) says nothing about how soon busy clients send again, and one such
 #: sample would make batches wait for clients that are not coming.
 _TURNAROUND_CAP = 0.1
-#: Descriptors kept free below the process's limit when it sizes its client slots (a mapped slot
-#: holds one): what it opens once serving -- a refused newcomer's slot, a passed descriptor and its
-#: dup, what the model's code or CUDA opens lazily. A slot that could not be opened lost its request.
-_FD_RESERVE = 32
 _H_STATE = HEADER.fields["state"][1] // 8
 _I_STATE, _I_FREE = (INSTANCE.fields[n][1] // 8 for n in ("state", "free"))
 
@@ -202,26 +198,9 @@ class ModelServer(Holding):
                     logger.warning("%s CUDA graph capture failed; running eagerly", self.tag, exc_info=True)
         self._last_maintenance = time.monotonic()
         inst["graphs"] = self._graphs_shown = self.engine.graph_total   # as the instance row shows them
-        self._fit_slots_to_descriptors(cfg.max_clients)   # (after the model and CUDA opened theirs)
+        self.intake.fit_to_descriptors()   # (after the model and CUDA opened theirs)
         if inst["state"] != INST_RETIRING:  # replaced by a reload while loading: it stays retiring
             inst["state"] = INST_READY
-
-    def _fit_slots_to_descriptors(self, wanted: int) -> None:
-        """Map at most as many client slots as the descriptor limit leaves room for (each holds one;
-        model_process_main raised the soft limit to the hard one): past that the process makes room
-        as at ``max_clients`` (an idle slot goes, else the newcomer is refused) instead of failing to
-        open the newcomer's slot, which dropped its request unanswered."""
-        with contextlib.suppress(OSError, ValueError):
-            soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-            if soft == resource.RLIM_INFINITY:
-                return
-            allowed = max(1, soft - len(os.listdir("/proc/self/fd")) - _FD_RESERVE)
-            if allowed < wanted:
-                logger.warning("%s max_clients is %d, but its descriptor limit (%d) leaves room for %d "
-                               "client slots: it maps no more (raise the hard limit, `ulimit -Hn`)",
-                               self.tag, wanted, soft, allowed)
-                self.intake.max_clients = allowed
-                self.intake.full_hint = f"this process's descriptor limit ({soft}) allows no more"
 
     # ------------------------------------------------------------ main loop
     def await_switch(self) -> bool:
