@@ -63,10 +63,12 @@ def _parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("serve", help="run a standalone, named runtime until SIGTERM / Ctrl-C",
                        description="Run a standalone, named runtime until SIGTERM / Ctrl-C. A flag given "
-                       "overrides the same setting of the --config file; the model flags apply to every model.")
+                       "overrides the same setting of the --config file; the model flags apply to every "
+                       "model.")
     s.add_argument("--name", help="the runtime's name, used by clients to attach (required here "
                    "or in the config)")
-    s.add_argument("--config", help="a TOML file: name, metrics_port, metrics_addr, drain_timeout, [options], "
+    s.add_argument("--config", help="a TOML file: name, metrics_port, metrics_addr, drain_timeout, "
+                   "[options], "
                    "[[models]] (a relative model path in it is relative to the file's directory); a flag "
                    "given overrides the file's setting")
     s.add_argument("--model", action="append", default=[], metavar="NAME=PATH|MODULE:FACTORY",
@@ -197,7 +199,8 @@ def load_serve_config(args: argparse.Namespace) -> ServeConfig:
     if args.mps:
         options = {**options, "mps": args.mps}
     fields = [f.name for f in dataclasses.fields(RuntimeOptions)]
-    if unknown := set(options) - set(fields):   # (as [[models]] says it: the TypeError named RuntimeOptions.__init__)
+    # (as [[models]] says it: the TypeError named RuntimeOptions.__init__)
+    if unknown := set(options) - set(fields):
         raise _unknown("[options]", unknown, fields)
     try:
         runtime_options = RuntimeOptions(**options)

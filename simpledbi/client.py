@@ -553,7 +553,9 @@ class _Unattached:
         raise self._error.with_traceback(None)
 
     def __reduce__(self):   # sent on: it tries again there (a closed handle's copy stays closed)
-        return (_attach, self._args) if self._args is not None else (_Unattached, (self.name, None, self._error))
+        if self._args is None:
+            return _Unattached, (self.name, None, self._error)
+        return _attach, self._args
 
     def close(self) -> None:
         pass

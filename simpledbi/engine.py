@@ -118,10 +118,12 @@ def _check_batch_dimension(cfg: ModelConfig, program) -> None:
     user = set(program.graph_signature.user_inputs)
     for node in program.graph.nodes:
         shape = getattr(node.meta.get("val"), "shape", None) if node.op == "placeholder" else None
-        if node.name in user and shape and isinstance(shape[0], int) and not shape[0] == 1 == cfg.max_batch_size:
+        fixed = node.name in user and shape and isinstance(shape[0], int)
+        if fixed and not shape[0] == 1 == cfg.max_batch_size:
             raise ValueError(
-                f"{cfg.path} was exported with a fixed batch size: input {node.name!r} has {shape[0]} rows, and "
-                f"batches of 1 to {cfg.max_batch_size} rows run here. Export it with a dynamic first dimension: "
+                f"{cfg.path} was exported with a fixed batch size: input {node.name!r} has {shape[0]} rows, "
+                f"and batches of 1 to {cfg.max_batch_size} rows run here. Export it with a dynamic first "
+                f"dimension: "
                 f"torch.export.export(model, args, dynamic_shapes={{{node.name!r}: {{0: torch.export.Dim("
                 f"'batch', max={max(cfg.max_batch_size, 2)})}}}})")
 

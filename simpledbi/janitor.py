@@ -109,9 +109,10 @@ def await_janitor(proc: subprocess.Popen, conn: Connection, timeout: float = REA
     finally:
         for fd in exited:
             fd.close()
-    raise RuntimeError(f"simpledbi's clean-up process (pid {proc.pid}) did not start"
-                       + (f": it exited with code {proc.poll()} (its error is above)" if proc.poll() is not None
-                          else f" within {timeout:g} s"))
+    code = proc.poll()
+    why = (f"it exited with code {code} (its error is above)" if code is not None
+           else f"no word from it in {timeout:g} s")
+    raise RuntimeError(f"simpledbi's clean-up process (pid {proc.pid}) did not start: {why}")
 
 
 class _Pidfd:

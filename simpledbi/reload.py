@@ -123,7 +123,10 @@ class Reloads:
     def _await_exit(self, m: _ModelProc, seconds: float) -> None:
         """Wait up to ``seconds`` until the supervisor has handled ``m``'s exit, or the runtime stops."""
         deadline = time.monotonic() + seconds
-        while not self._stop.is_set() and not m.handled.is_set() and (left := deadline - time.monotonic()) > 0:
+        while not self._stop.is_set() and not m.handled.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
             m.handled.wait(min(0.5, left))   # in 0.5 s steps: a shutdown meanwhile ends the wait promptly
 
     def _forget(self, m: _ModelProc) -> None:

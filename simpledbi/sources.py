@@ -75,7 +75,9 @@ def import_path(factory) -> str:
     where it has no importable name)."""
     fn, qualname = _unwrap(factory)
     module = getattr(fn, "__module__", None)
-    return f"{module}:{qualname}" if module and not isinstance(factory, (ByValue, ByName)) else describe(factory)
+    if module and not isinstance(factory, (ByValue, ByName)):
+        return f"{module}:{qualname}"
+    return describe(factory)
 
 
 def _unwrap(factory) -> Tuple[Any, str]:
