@@ -137,10 +137,14 @@ def affine():
 def few_descriptors(spare: int):
     """An Affine in a model process that may open only ``spare`` more descriptors than it holds
     now (a host whose hard limit is low, or a factory that lowers it)."""
+    _lower_descriptor_limit(spare)
+    return Affine()
+
+
+def _lower_descriptor_limit(spare: int) -> None:
     import resource
     n = len(os.listdir("/proc/self/fd")) + spare
     resource.setrlimit(resource.RLIMIT_NOFILE, (n, n))
-    return Affine()
 
 
 class Leaky(Affine):
@@ -149,9 +153,7 @@ class Leaky(Affine):
 
     def __init__(self, spare: int, leak: int):
         super().__init__()
-        import resource
-        n = len(os.listdir("/proc/self/fd")) + spare
-        resource.setrlimit(resource.RLIMIT_NOFILE, (n, n))
+        _lower_descriptor_limit(spare)
         self.leak, self.kept = leak, []
 
     def forward(self, x):

@@ -362,17 +362,9 @@ def test_a_model_process_short_of_descriptors_takes_newcomers_in_place_of_idle_s
     # and the caller waited out its timeout (forever without one). The process now holds at most
     # the slots its limit allows, so an idle one makes room as at max_clients.
     rt = start_runtime(cpu_model("affine", functools.partial(models.few_descriptors, 48), max_batch_size=4))
-    handles = []
-    try:
-        for i in range(80):   # one slot each, kept open and idle
-            m = SharedModel("affine", max_shape=(1, 2), namespace=rt.namespace)
-            handles.append(m)
-            x = np.full((1, 2), float(i), np.float32)
-            np.testing.assert_array_equal(m.forward(x, timeout=10), x * 2 + 1)
+    with contextlib.ExitStack() as handles:
+        _newcomers_left_idle(rt, handles, 80)
         assert _clients(rt, "affine") < 48
-    finally:
-        for m in handles:
-            m.close()
 
 
 @pytest.mark.timeout(120)
@@ -382,16 +374,16 @@ def test_a_model_that_opens_files_after_start_up_still_answers_every_newcomer(st
     # 40 calls waited out their 15 s timeout). Now an idle slot makes room, or the newcomer is
     # answered "full" on a descriptor held in reserve.
     rt = start_runtime(cpu_model("affine", functools.partial(models.leaky, 48, 40), max_batch_size=4))
-    handles = []
-    try:
-        for i in range(30):   # one slot each, kept open and idle
-            m = SharedModel("affine", max_shape=(1, 2), namespace=rt.namespace)
-            handles.append(m)
-            x = np.full((1, 2), float(i), np.float32)
-            np.testing.assert_array_equal(m.forward(x, timeout=10), x * 2 + 1)
-    finally:
-        for m in handles:
-            m.close()
+    with contextlib.ExitStack() as handles:
+        _newcomers_left_idle(rt, handles, 30)
+
+
+def _newcomers_left_idle(rt, handles: contextlib.ExitStack, n: int) -> None:
+    """``n`` handles one after another, each a slot of its own: one call, then kept open and idle."""
+    for i in range(n):
+        m = handles.enter_context(SharedModel("affine", max_shape=(1, 2), namespace=rt.namespace))
+        x = np.full((1, 2), float(i), np.float32)
+        np.testing.assert_array_equal(m.forward(x, timeout=10), x * 2 + 1)
 
 
 def test_a_client_stopped_with_sigstop_holds_up_nobody(start_runtime):
