@@ -134,7 +134,7 @@ def _loop(call, xs, start: StartLine, spec: BenchSpec, timing=None, rank: int = 
     call(xs[0])  # first call outside the clock
     t_go = start.arrive_and_wait()
     end = t_go + spec.warmup + spec.duration
-    starts, ends, wakes = [], [], []
+    starts, ends, wakes, lates = [], [], [], []
     rng = np.random.default_rng(spec.seed * 7919 + rank)
     rate = spec.arrival_rate / spec.worker_num
     i = 0
@@ -148,18 +148,21 @@ def _loop(call, xs, start: StartLine, spec: BenchSpec, timing=None, rank: int = 
             arrival += rng.exponential(1 / rate)
         else:
             t0 = now
+        t_called = time.monotonic()
         call(xs[i & 3])
         t1 = time.monotonic()
         starts.append(t0)
         ends.append(t1)
+        lates.append(t_called - t0)   # the load generator's own lateness (a sleep that overslept)
         if timing is not None:
             tm = timing()
-            # where this request's time went: to the batch closing, in the batch, to waking up
+            # where this request's time went: to waking up, to the batch closing, in the batch,
+            # to being published, and its batch's rows
             wakes.append((tm["woken"] - tm["done"], tm["batch_closed"] - tm["published"],
-                          tm["done"] - tm["batch_closed"]))
+                          tm["done"] - tm["batch_closed"], tm["published"] - t_called, tm["batch_rows"]))
         now = t1
         i += 1
-    return np.array(starts), np.array(ends), np.array(wakes)
+    return np.array(starts), np.array(ends), np.array(wakes), np.array(lates)
 
 
 # ---------------------------------------------------------------- the two kinds of worker
@@ -394,7 +397,7 @@ def analyse(spec: BenchSpec, t_go: float, results, records) -> dict:
     starts = np.concatenate([r[0] for r in results])
     ends = np.concatenate([r[1] for r in results])
     parts = [r[2] for r in results if len(r) > 2 and len(r[2])]
-    parts = np.concatenate(parts).reshape(-1, 3) if parts else np.zeros((0, 3))
+    parts = np.concatenate(parts).reshape(-1, 5) if parts else np.zeros((0, 5))
     wakes = parts[:, 0]
     finished = (ends >= w0) & (ends <= w1)
     inside = (starts >= w0) & (ends <= w1)
@@ -425,6 +428,26 @@ def analyse(spec: BenchSpec, t_go: float, results, records) -> dict:
         for j, name in ((1, "to_batch_ms"), (2, "in_batch_ms")):
             col = parts[:, j] * 1e3
             out[name] = {"p50": _pct(col, 50), "p90": _pct(col, 90), "p99": _pct(col, 99)}
+    lates = np.concatenate([r[3] for r in results]) if all(len(r) > 3 for r in results) else None
+    if lat.size >= 100 and lates is not None:
+        out["tail"] = _tail(lat, lates[inside], parts[inside] if len(parts) == len(starts) else None)
+    return out
+
+
+def _tail(lat: np.ndarray, lates: np.ndarray, parts: Optional[np.ndarray]) -> dict:
+    """Where the slowest 1% of requests spent their time, beside the median request (ms, medians
+    over each group): the load generator's lateness, then (simpledbi) call -> published, published
+    -> batch closed, in the batch, result written -> caller running, and the batch's rows."""
+    slow = lat >= np.percentile(lat, 99)
+    out = {}
+    for group, rows in (("slowest_1pct", slow), ("all", np.ones_like(slow))):
+        g = {"n": int(rows.sum()), "latency": float(np.median(lat[rows])),
+             "generator_late": float(np.median(lates[rows])) * 1e3}
+        if parts is not None:
+            for j, name in ((3, "to_published"), (1, "to_batch"), (2, "in_batch"), (0, "wake")):
+                g[name] = float(np.median(parts[rows, j])) * 1e3
+            g["batch_rows"] = float(np.mean(parts[rows, 4]))
+        out[group] = g
     return out
 
 
