@@ -23,6 +23,16 @@ _BUSY_POLL = 0.0002
 #: how long the helper may wait for the GIL while this thread runs Python between requests. The default,
 #: 5 ms, could hold the forward pass up that long; shorter costs more thread switches.
 _GIL_HANDOFF = 0.0002
+#: While a CPU forward pass runs and this process holds requests for its next batch, how often it
+#: looks whether a peer went idle, to hand them to it (a peer's going idle wakes no one here): a
+#: request waits at most this long beyond that moment instead of the rest of this batch (helper-49:
+#: 1 s batches, a request held 1 s beside two idle peers). Each look is one wake-up (~10 us).
+_PEER_LOOK = 0.005
+#: A CPU forward pass at least this long (learned) runs on the helper thread whenever refusals are
+#: made early, so that a burst arriving during it is refused at once, not when it ends (helper-49:
+#: 0.2-0.35 s late with 0.5 s batches). Shorter ones keep that delay under a batch of a few ms; the
+#: helper's hand-off costs some 0.1 ms a batch.
+_TAKE_WHILE_COMPUTING = 0.002
 
 
 @dataclass(slots=True)
@@ -47,8 +57,11 @@ class Holding:
         if flight.error is not None or not launched.started or not self.admission.refuses_early:
             return
         intake, backlog, admission = self.intake, self.backlog, self.admission
-        while not launched.ready() and not intake.full and not self.retiring and not self._peer_free() and (
+        while not launched.ready() and not intake.full and not self.retiring and (
                 backlog.rows < self.max_batch or admission.takes_more(self.max_batch)):
+            if self._peer_free():   # it takes newcomers at once, and what I hold (sooner than I would)
+                self._hand_back(0)
+                break
             got = intake.next(_BUSY_POLL, precise=True)
             if isinstance(got, Request) and self._took(got):
                 backlog.add(got)
@@ -68,9 +81,13 @@ class Holding:
             intake, watch = self.intake, [self.intake.sock, self._done_r]
             while True:   # until the helper's byte: exactly one per job, always read
                 # (not while a peer is idle: it takes newcomers at once, unrefused; nor beyond takes_more)
-                take = not intake.full and not self.retiring and not self._peer_free() and (
+                free = self._peer_free()
+                if free and self.backlog:
+                    self._hand_back(0)   # it runs them now, not after this batch
+                take = not intake.full and not self.retiring and not free and (
                     self.backlog.rows < self.max_batch or self.admission.takes_more(self.max_batch))
-                ready = select.select(watch if take else watch[1:], (), (), self.poll)[0]
+                look = _PEER_LOOK if self.backlog and self.ctl.model_num > 1 else self.poll
+                ready = select.select(watch if take else watch[1:], (), (), look)[0]
                 if self._done_r in ready:
                     os.read(self._done_r, 1)
                     byte_read = True
@@ -120,9 +137,12 @@ class Holding:
         direct: List[Request] = []
         if not self.retiring:   # (what comes to a retiring process is for its successors)
             admission = self.admission
+            # (a CPU model's peers: what I hold beyond this batch waits for all of it, while a
+            # peer that ends its own batch sooner would take it from the socket)
+            beyond = 0 if not self.engine.cuda and self.ctl.model_num > 1 else c.limit
             while not intake.full:
                 held = c.rows + backlog.rows
-                if held >= c.limit and (self._peer_free() or held >= 2 * c.limit and
+                if held >= c.limit and (self._peer_free() or held >= c.limit + beyond and
                                         not admission.takes_more(c.limit)):
                     break
                 got = intake.next(0)
@@ -169,6 +189,7 @@ class Holding:
                 break
         for entry in kept:
             backlog.restore(entry)
+        self.admission.publish()   # (clients refuse by what waits here)
 
     def _from_backlog(self, batch: List[Request], c: _Collecting) -> None:
         """Fill ``batch`` from the backlog in its order while it has room; requests of another kind keep

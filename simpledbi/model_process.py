@@ -26,7 +26,7 @@ from .accounting import Accounting
 from .admission import Admission
 from .answer import Answers, check_outputs, safe_str
 from .config import ModelConfig, RuntimeOptions
-from .holding import _BUSY_POLL, Holding, _Collecting
+from .holding import _BUSY_POLL, _TAKE_WHILE_COMPUTING, Holding, _Collecting
 from .intake import WAKE, Intake
 from .interrupts import child_signals
 from .layout import (BROKEN, DRAINING, HEADER, INST_DEAD, INST_READY, INST_RETIRING, INSTANCE,
@@ -286,7 +286,9 @@ class ModelServer(Holding):
             self._inst_words[_I_FREE] = 0
         if isinstance(got, Request) and self._took(got):
             self.backlog.add(got)
-        if time.monotonic() - self._last_maintenance > self.poll and not self._maintenance():
+        # (not between taking a request and batching it: serve() does it once the batch is launched)
+        if not self.backlog and time.monotonic() - self._last_maintenance > self.poll and \
+                not self._maintenance(zombies=got is None):
             return False
         if got is None:
             if self.engine.cuda:
@@ -324,13 +326,16 @@ class ModelServer(Holding):
             view.release()
         self.ctl.close()
 
-    def _maintenance(self) -> bool:
-        """Drop the slots of detached or dead clients; return False when this process should exit."""
+    def _maintenance(self, zombies: bool = False) -> bool:
+        """Drop the slots of detached or dead clients; return False when this process should exit.
+        Clients killed and not yet reaped (zombies) only when nothing came for a poll interval:
+        telling them costs 2-3 ms for 128 clients, which, paid after taking a request, was the p99
+        of an open loop at low load (H200, ResNet-50, 168 img/s: 5.5 ms against 2.2 at p50)."""
         self._last_maintenance = time.monotonic()
         if self._main_gone():
             logger.warning("%s the runtime's main process died; exiting", self.tag)
             return False
-        self.intake.prune()
+        self.intake.prune(zombies)
         return True
 
     def _main_gone(self) -> bool:
@@ -451,7 +456,8 @@ class ModelServer(Holding):
         if flight.error is not None:
             return
         try:
-            if not self.engine.cuda and self.backlog and self.admission.refuses_early:
+            if not self.engine.cuda and self.admission.refuses_early and (
+                    self.backlog or self._forward_ema >= _TAKE_WHILE_COMPUTING):
                 self._compute_while_taking(flight.launched)
             else:
                 self.engine.start(flight.launched)

@@ -255,16 +255,24 @@ def sweep_namespace(namespace: str) -> int:
     return 1
 
 
-def pid_alive(pid: int) -> bool:
-    """True while process ``pid`` exists and is not a zombie (a killed child nobody reaped yet)."""
+def pid_exists(pid: int) -> bool:
+    """True while process ``pid`` exists, a zombie too: one system call (pid_alive reads /proc
+    besides, some 15 us more)."""
     if pid <= 0:
         return False
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+    except (ProcessLookupError, OverflowError):
         return False
-    except (PermissionError, OverflowError):
-        return pid < 2**22 and os.path.exists(f"/proc/{pid}")
+    except PermissionError:   # another user's
+        return True
+    return True
+
+
+def pid_alive(pid: int) -> bool:
+    """True while process ``pid`` exists and is not a zombie (a killed child nobody reaped yet)."""
+    if not pid_exists(pid):
+        return False
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             return f.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")

@@ -43,6 +43,11 @@ def _call_in_thread(m, x, **kw):
     return t, out
 
 
+def _wait_sent(m, n: int) -> None:
+    """Until ``n`` calls of ``m`` in flight have sent their request (taken or not)."""
+    _wait_for(lambda: sum(s.sent_seq == s.seq > 0 for s in list(m._h.busy)) >= n)
+
+
 def _held(m) -> int:
     return int(m.ctl.all_instances["held"].sum())
 
@@ -314,10 +319,10 @@ def test_a_request_handed_back_by_a_process_that_died_is_still_answered(start_ru
     _wait_for(lambda: max(inst("held")) == 4)   # one took r3..r6 while the other was busy
     a = inst("held").index(4)
     b = 1 - a
-    _wait_for(lambda: inst("free")[b] == 1)
-    os.kill(pids[b], signal.SIGSTOP)            # the idle peer, slow to read what comes back
+    os.kill(pids[b], signal.SIGSTOP)            # the peer, slow to read what comes back ...
     try:
-        _wait_for(lambda: inst("held")[a] == 1)  # a handed two back and computes one
+        rt.ctls["m"].all_instances["free"][b] = 1   # ... and idle as far as a can tell (set here)
+        _wait_for(lambda: inst("held")[a] == 1)  # a handed three back and computes one
         os.kill(pids[a], signal.SIGKILL)
         _wait_for(lambda: not pid_alive(pids[a]))
     finally:
@@ -334,8 +339,9 @@ def test_a_request_handed_back_by_a_process_that_died_is_still_answered(start_ru
 
 @pytest.mark.timeout(120)
 def test_max_queue_refuses_only_what_would_wait(start_runtime, gate):
-    """max_queue counts the requests waiting at every process, but a newcomer taken by an idle
-    one goes straight into its next batch: it waits for nothing, so it is not refused."""
+    """max_queue counts the requests waiting at every process; a process that goes idle gets what
+    waits at its busy peer (handed back to the socket for it, helper-49), so max_queue is no longer
+    reached and a newcomer is not refused."""
     # (ordered by a gate and by batch lengths: with two equal batches the processes finished
     # close together on a loaded machine, both took from the socket, and neither held max_queue)
     rt = start_runtime(cpu_model("m", functools.partial(models.sleepy, 0.5, gate.name), max_batch_size=1,
@@ -355,8 +361,8 @@ def test_max_queue_refuses_only_what_would_wait(start_runtime, gate):
     calls += [_call_in_thread(m, x) for x in xs[2:]]
     # the other finishes first, runs one and holds two waiting (max_queue) ...
     _wait_for(lambda: sorted(inst("queued")) == [0, 2])
-    gate.open()   # ... and the gated one finishes and goes idle
-    _wait_for(lambda: sorted(inst("queued")) == [0, 2] and inst("free")[inst("queued").index(0)] == 1)
+    gate.open()   # ... and the gated one finishes, goes idle, and gets what its peer held
+    _wait_for(lambda: min(inst("held")) >= 1 and sum(inst("queued")) <= 1)
     np.testing.assert_array_equal(m.forward(X * 6), X * 6 * 2 + 1)
     for (t, out), x in zip(calls, xs):
         t.join(60)
@@ -439,11 +445,11 @@ def test_a_newcomer_that_cannot_make_its_deadline_displaces_no_one(start_runtime
     first = _call_in_thread(m, np.full((1, 4), models.GATE, np.float32))
     gate.wait_entered()
     calls = {}
-    for n, name in enumerate("BCD", start=1):
+    for n, name in enumerate("BCD", start=1):   # (taken during the gated batch: it is learned long)
         calls[name] = _call_in_thread(m, X * n)
-        wait_queued(m, n=n)
-    newcomer = _call_in_thread(m, X * 9, priority=5, timeout=0.5)   # taken after ~0.3 s
-    wait_queued(m, n=4)
+        _wait_sent(m, n + 1)
+    newcomer = _call_in_thread(m, X * 9, priority=5, timeout=0.5)
+    newcomer[0].join(60)
     gate.open()
     for t, _ in [first, newcomer, *calls.values()]:
         t.join(60)
@@ -558,3 +564,58 @@ def test_callers_retrying_at_once_after_a_refusal_still_get_the_models_capacity(
     # capacity: 2 rows / 50 ms = 40/s, 120 in the window; the stall left 16-24
     assert len(answered) >= 50, f"{len(answered)} answers in 3 s from a model of 40/s"
     m.close()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("timeout", [None, 30.0])
+def test_a_request_waiting_for_a_busy_process_goes_to_a_peer_that_went_idle(start_runtime, gate, timeout):
+    """helper-49: a CPU model process took a request for its next batch and ran a long batch meanwhile;
+    its peer went idle, and the request waited for the whole long batch (with a timeout: refused, as it
+    could not make it). Now it stays on the socket for whichever process is free first (no timeout), or
+    the process taking requests during its batch hands what it holds to the peer that went idle."""
+    rt = start_runtime(cpu_model("m", functools.partial(models.sleepy, 0.0, gate.name), max_batch_size=1,
+                                 model_num=2))
+    m = SharedModel("m", max_shape=(1, 4), namespace=rt.namespace)
+    gated = np.full((1, 4), models.GATE, np.float32)
+    calls = []
+    for _ in range(2):   # both processes held at the gate
+        calls.append(_call_in_thread(m, gated, timeout=timeout))
+        gate.wait_entered()
+    slow = X * 3
+    slow[0, 0] = models.SLOW   # a batch of SLOW_SECONDS
+    calls += [_call_in_thread(m, x, timeout=timeout) for x in (slow, X * 4)]
+    wait_queued(m, n=2)
+    gate.open()    # one process answers and takes the slow one (and, before, the next one as well) ...
+    _wait_for(lambda: "y" in calls[0][1] or "y" in calls[1][1])
+    gate.open()    # ... and the other goes idle while the slow batch runs: it answers the last one
+    for t, _ in calls:
+        t.join(60)
+    outs = [out for _, out in calls]
+    for out, x in zip(outs, (gated, gated, slow, X * 4)):
+        assert "error" not in out, out.get("error")
+        np.testing.assert_array_equal(out["y"], x * 2 + 1)
+    assert outs[3]["timing"]["done"] < outs[2]["timing"]["done"]   # not after the slow batch
+
+
+@pytest.mark.timeout(120)
+def test_a_burst_during_a_long_batch_is_refused_at_once_with_nothing_held_before(start_runtime, gate):
+    """helper-49: with nothing waiting when a CPU batch began, its process ran it on the serving thread
+    and read no requests: a burst's calls beyond max_queue were refused only when the batch ended. A
+    batch learned to take at least holding._TAKE_WHILE_COMPUTING now always runs beside the intake."""
+    rt = start_runtime(cpu_model("m", functools.partial(models.sleepy, 0.005, gate.name), max_batch_size=1,
+                                 max_queue=1))
+    m = SharedModel("m", max_shape=(1, 4), namespace=rt.namespace)
+    for k in range(4):   # its batches take 5 ms: learned
+        m.forward(X * k)
+    calls = [_call_in_thread(m, np.full((1, 4), models.GATE, np.float32))]
+    gate.wait_entered()   # a batch that lasts until the gate opens, nothing waiting
+    calls += [_call_in_thread(m, X * k, timeout=60) for k in range(5)]
+    refused = 0
+    while refused < 3:   # 2 fit: one in the next batch, one waiting (max_queue); the rest is refused
+        _wait_for(lambda: sum(isinstance(out.get("error"), Overloaded) for _, out in calls) > refused)
+        refused = sum(isinstance(out.get("error"), Overloaded) for _, out in calls)
+    assert all(out["error"].reason == "queue" for _, out in calls if "error" in out)
+    gate.open()
+    for t, _ in calls:
+        t.join(60)
+    assert sum("y" in out for _, out in calls) == 3 and refused == 3
