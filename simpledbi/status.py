@@ -76,6 +76,8 @@ class ModelInfo:
     bad_requests: int
     over_target: int
     rejected: Dict[str, int]               # refused with Overloaded, by reason (overload.py)
+    withdrawn: int                         # callers stopped waiting (cancelled, closed) before a batch ran them
+    expired: int                           # callers' timeouts passed before a batch ran them
     newcomer_wait: float                   # a new request's expected wait now (s; shortest
                                            # over the serving processes, 0 while unlearned)
     restarts: int
@@ -175,7 +177,7 @@ def _model_info(name: str, ctl: ControlBlock) -> ModelInfo:
         attached_clients=int(serving["clients"].max()) if len(serving) else 0,
         queued=int(inst["held"].sum()),
         **{k: n[k] for k in ("requests", "batches", "rows", "errors", "died", "bad_requests", "over_target",
-                             "restarts", "rejected")},
+                             "restarts", "rejected", "withdrawn", "expired")},
         newcomer_wait=float(serving["newcomer_wait"].min()) if len(serving) else 0.0,
         instances=instances,
         batch_sizes={int(k): int(bh[k]) for k in np.nonzero(bh)[0]},
@@ -203,8 +205,10 @@ def format_status(info: RuntimeInfo) -> str:
         lines.append(f"  requests {m.requests}  batches {m.batches}  mean batch "
                      f"{m.mean_batch_size:.2f}  errors {m.errors}  died {m.died}  bad requests {m.bad_requests}  "
                      f"over target {m.over_target}  restarts {m.restarts}")
+        # (what was last published stays while nothing is held: a newcomer then waits for nothing)
         lines.append(f"  overload: rejected (deadline) {m.rejected['deadline']}  rejected (queue) "
-                     f"{m.rejected['queue']}  a newcomer's expected wait {_ms(m.newcomer_wait)} ms")
+                     f"{m.rejected['queue']}  expired {m.expired}  withdrawn {m.withdrawn}  a newcomer's "
+                     f"expected wait {_ms(m.newcomer_wait if m.queued else 0.0)} ms")
         lines.append("  " + "   ".join(
             f"{what} p50 {_ms(h.quantile(0.5))}  p99 {_ms(h.quantile(0.99))}"
             for what, h in (("latency ms ", m.latency), ("queue", m.queue), ("compute/batch", m.compute))))

@@ -431,6 +431,11 @@ def test_a_request_whose_caller_stopped_waiting_holds_no_place_in_max_queue(star
         np.testing.assert_array_equal(calls[name][1]["y"], X * k * 2 + 1)
     stats = m.stats()
     assert stats["rejected"] == {"deadline": 0, "queue": 0} and stats["expired"] == 1, stats
+    # `simpledbi status` shows them (helper-49: it showed rejections only), and an idle model's
+    # newcomer waits for nothing, whatever was published while requests waited
+    from simpledbi.status import format_status, inspect
+    assert "expired 1  withdrawn 0  a newcomer's expected wait 0.00 ms" in format_status(
+        inspect(namespace=rt.namespace))
 
 
 @pytest.mark.timeout(120)
