@@ -12,6 +12,7 @@ import concurrent.futures
 import contextvars
 import collections
 import errno
+import functools
 import logging
 import math
 import numbers
@@ -109,11 +110,25 @@ def _restructure(outs: list, structure: int, names: bytes):
         if structure == OUT_DICT:
             build = lambda outs, keys=keys: dict(zip(keys, outs))  # noqa: E731
         else:
-            build = collections.namedtuple(type_name, keys, rename=True)._make
+            build = _output_namedtuple(type_name, tuple(keys))._make
         if len(_BUILDERS) > 256:
             _BUILDERS.clear()
         _BUILDERS[(structure, names)] = build
     return build(outs)
+
+
+@functools.lru_cache(maxsize=256)
+def _output_namedtuple(type_name: str, keys: tuple) -> type:
+    """A namedtuple class like the model's (made here: the model's own may not import in the caller),
+    whose instances pickle: made anew wherever they are unpickled (helper-48: a DataLoader worker
+    returning one hung, the class unknown to pickle)."""
+    cls = collections.namedtuple(type_name, keys, rename=True)
+    cls.__reduce__ = lambda self: (_rebuild_namedtuple, (type_name, tuple(self._fields), tuple(self)))
+    return cls
+
+
+def _rebuild_namedtuple(type_name: str, keys: tuple, values: tuple):
+    return _output_namedtuple(type_name, keys)._make(values)
 
 
 class SharedModel(Inputs, LoopCalls):

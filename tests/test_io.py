@@ -3,6 +3,7 @@ the declared inputs (names, shapes, dtypes) a client gets from the runtime inste
 from __future__ import annotations
 
 import functools
+import multiprocessing as mp
 import os
 import threading
 
@@ -84,6 +85,15 @@ def test_namedtuple_outputs_come_back_as_namedtuples(start_runtime):
             np.testing.assert_array_equal(out.logits, (ids * mask).astype(np.float32))
             np.testing.assert_array_equal(out.pooled, ids.sum(1, keepdims=True))
         assert type(m(ids, mask)) is type(out)  # the type is made once and cached
+        # it pickles (a DataLoader worker or a Pool task returning it hung or failed, helper-48), to
+        # the same namedtuple, in another process too
+        import pickle
+        back = pickle.loads(pickle.dumps(out))
+        assert type(back) is type(out)
+        np.testing.assert_array_equal(back.logits, out.logits)
+        ctx = mp.get_context("spawn")
+        with ctx.Pool(1) as pool:
+            assert pool.apply(pickle.loads, (pickle.dumps(out),))._asdict().keys() == out._asdict().keys()
     import torch   # a torch dtype names the same dtype as numpy's ("expected one of float32, ..." before)
     with SharedModel("nt", max_shape=[(3, 4), (3, 4)], dtype=torch.int64, namespace=rt.namespace) as m:
         assert m.dtypes == [np.dtype(np.int64)] * 2 and type(m(ids, mask)).__name__ == "Pair"
