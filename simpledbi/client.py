@@ -572,6 +572,15 @@ class _Unattached:
             return _Unattached, (self.name, None, self._error)
         return _attach, self._args
 
+    def __call__(self, *args, **kw):   # (dunders are looked up on the type: `m(x)` and `with m:`
+        raise self._error.with_traceback(None)   # said "not callable", helper-48)
+
+    def __enter__(self):
+        raise self._error.with_traceback(None)
+
+    def __exit__(self, *exc):
+        return False
+
     def close(self) -> None:
         pass
 

@@ -10,7 +10,7 @@ import time
 
 from .config import ModelConfig
 from .errors import RuntimeStopped
-from .layout import INST_DEAD, INST_LOADING, INST_RETIRING, RUNNING, STATE_NAMES
+from .layout import BROKEN, INST_DEAD, INST_LOADING, INST_RETIRING, RUNNING, STATE_NAMES
 from . import sources
 from .supervisor import _ModelProc
 
@@ -53,7 +53,11 @@ class Reloads:
             if ctl is None or ctl.state != RUNNING:
                 raise RuntimeError(f"reload {model!r}: the model is " + (
                     "not started (Runtime.start() first)" if ctl is None else
-                    f"{STATE_NAMES.get(ctl.state, ctl.state)}, not running"))
+                    f"{STATE_NAMES.get(ctl.state, ctl.state)}, not running" + (
+                        f" ({ctl.message()}): a broken model is not restarted nor reloaded -- fix its "
+                        f"cause and start the runtime (`simpledbi serve`) again; `simpledbi status "
+                        f"--check` exits 1 meanwhile, for a supervisor to act on"
+                        if ctl.state == BROKEN else "")))
             n = cfg.model_num
             bank = 1 - (int(ctl.hdr["bank"]) & 1)
             rows = range(bank * n, (bank + 1) * n)

@@ -811,6 +811,10 @@ def test_model_that_dies_too_often_is_marked_broken(start_runtime):
                                                r"and is marked broken"):
         m.forward(np.ones((1, 2), np.float32), timeout=10)
     m.close()
+    with pytest.raises(RuntimeError, match=r"reload 'affine': the model is broken, not running \(model 'affine' "
+                                           r".*a broken model is not restarted nor reloaded -- fix its cause and "
+                                           r"start the runtime .* again"):   # (helper-48: said no more)
+        rt.reload("affine")
     # what the supervisor answers queued requests with names the model once ("model 'k': model 'k' ...")
     from simpledbi.client import _status_error
     from simpledbi.layout import ST_DIED

@@ -249,6 +249,11 @@ def test_a_handle_sent_to_pool_workers_attaches_there(start_runtime, method):
     for closed in (__import__("copy").deepcopy(m), __import__("pickle").loads(__import__("pickle").dumps(m))):
         with pytest.raises(RuntimeStopped, match="is closed"):   # (it arrived open and attached)
             closed.forward(np.ones((1, 2), np.float32))
+        with pytest.raises(RuntimeStopped, match="is closed"):   # ("not callable", helper-48)
+            closed(np.ones((1, 2), np.float32))
+        with pytest.raises(RuntimeStopped, match="is closed"):   # (no context manager, helper-48)
+            with closed:
+                pass
         closed.close()
 
 
