@@ -40,6 +40,8 @@ _FAMILIES = (
      lambda m: [((), m.over_target)]),
     (_C, "simpledbi_rejected", "Requests refused with Overloaded (never run), by reason", ("reason",),
      lambda m: [((reason,), count) for reason, count in m.rejected.items()]),
+    (_C, "simpledbi_abandoned", "Requests whose caller stopped waiting before their batch ran (never run)",
+     ("reason",), lambda m: [(("expired",), m.expired), (("withdrawn",), m.withdrawn)]),
     (_H, "simpledbi_batch_size", "Rows per batch", (), lambda m: [((), _buckets(
         ((k or _INF, v) for k, v in m.batch_sizes.items()), _BATCH_BOUNDS, str), m.rows)]),
     (_H, "simpledbi_request_duration_seconds", "Per request: publish to answer", (),
@@ -69,10 +71,19 @@ class RuntimeCollector:
         return []  # metric names depend on nothing fixed; skip the registration-time collect
 
     def collect(self):
+        # always exported: a runtime that is down, or a name that was never one, scrapes as 0, not as
+        # nothing (an alert on a missing series is easy to get wrong: helper-48)
+        up = GaugeMetricFamily("simpledbi_runtime_up", "1 while the runtime is found and its main process "
+                               "alive", labels=["runtime"])
+        label = self.runtime or self.namespace or ""
         try:
             info = inspect(self.runtime, namespace=self.namespace)
         except LookupError:
+            up.add_metric([label], 0)
+            yield up
             return
+        up.add_metric([label], 1 if info.alive else 0)
+        yield up
         for kind, name, text, labels, samples in _FAMILIES:
             family = kind(name, text, labels=["model", *labels])
             for m in info.models:

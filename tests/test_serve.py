@@ -614,6 +614,14 @@ def test_prometheus_collector_exports_the_runtime_counters():
     assert 'simpledbi_request_duration_seconds_count{model="m"} 3.0' in text
     assert 'simpledbi_instance_up{device="cpu",instance="0",model="m"} 1.0' in text
     assert 'simpledbi_model_ready{model="m"} 1.0' in text
+    assert 'simpledbi_abandoned_total{model="m",reason="expired"} 0.0' in text
+    assert f'simpledbi_runtime_up{{runtime="{name}"}} 1.0' in text
+    # the runtime gone, or a name that never was one: 0, not silence (helper-48)
+    text = prometheus_client.generate_latest(registry).decode()
+    assert f'simpledbi_runtime_up{{runtime="{name}"}} 0.0' in text and "simpledbi_model_ready" not in text
+    typo = prometheus_client.CollectorRegistry()
+    typo.register(RuntimeCollector(name + "-typo"))
+    assert f'simpledbi_runtime_up{{runtime="{name}-typo"}} 0.0' in prometheus_client.generate_latest(typo).decode()
 
 
 @pytest.mark.timeout(120)
