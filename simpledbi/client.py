@@ -868,6 +868,9 @@ class _Handles:
             self.busy.discard(slot)
             if not self.closed:
                 (self.stale if slot.stale_seq else self.idle).append(slot)
+                self._given_back += 1
+                if len(self.stale) > _IDLE_KEPT and self._given_back >= len(self.stale):
+                    self._settle_stale()
                 excess = self.idle[:max(len(self.idle) - len(self.busy) - _IDLE_KEPT, 0)]
                 del self.idle[:len(excess)]
             else:
@@ -878,12 +881,24 @@ class _Handles:
         if last:
             self._close_shared()
 
+    def _settle_stale(self) -> None:
+        """Stale slots whose late answer came are idle ones again, trimmed as those are (a burst of
+        abandoned calls kept its slots for good: 546 memfds after 300 timed out, helper-48). Looked at
+        once per as many calls as there are stale slots: O(1) a call however many wait."""
+        self._given_back = 0
+        answered = [s for s in self.stale if s.answered(s.stale_seq)]
+        for s in answered:
+            self.stale.remove(s)
+            s.stale_seq = 0
+        self.idle.extend(answered)
+
     def _new_pool(self) -> None:
         """This process's empty slot pool (in a forked child too: the parent's calls use its slots)."""
         self.pid = os.getpid()
         self.lock = threading.Lock()
         self.idle: List[ClientSlot] = []
         self.stale: List[ClientSlot] = []   # owed a late answer: lent again once settled()
+        self._given_back = 0       # slots given back since stale ones were last looked at
         self.busy: set = set()
         self.creating = 0          # slots being made right now (outside the lock)
         self.refused = [0, 0]      # calls refused here (deadline, queue: NOTE [overload]), not reported yet

@@ -274,3 +274,44 @@ def test_calls_cancelled_as_their_own_timeout_ends_leave_no_unretrieved_exceptio
     asyncio.run(main())
     assert not seen, [c.get("message") for c in seen][:3]
     m.close()
+
+
+@pytest.mark.timeout(120)
+def test_the_slots_of_abandoned_calls_are_trimmed_once_their_late_answers_came(start_runtime, gate):
+    """A call that timed out after a model process took it keeps its slot stale until the late answer
+    comes; those slots were never trimmed afterwards (helper-48: 546 memfds after 300 timed out). Once
+    answered they are idle ones again, and the handle keeps _IDLE_KEPT beyond its calls in flight."""
+    # (max_queue, and batches learned to take 5 ms: the process takes every request in while its
+    # batch waits at the gate)
+    rt = start_runtime(cpu_model("g", functools.partial(models.sleepy, 0.005, gate.name), max_batch_size=64,
+                                 wait_time=0.0, max_queue=1000))
+    m = SharedModel("g", (1, 3), namespace=rt.namespace)
+    gated = np.full((1, 3), models.GATE, np.float32)
+    held = lambda: int(rt.ctls["g"].instances["held"].sum())   # noqa: E731
+    for _ in range(4):
+        m.forward(np.ones((1, 3), np.float32))
+
+    async def abandon():   # 48 calls a model process holds, each abandoned by its caller
+        first = asyncio.ensure_future(m.forward_async(gated))
+        await asyncio.to_thread(gate.wait_entered)
+        calls = [asyncio.ensure_future(m.forward_async(gated)) for _ in range(48)]
+        deadline = time.monotonic() + 30
+        while held() < 49:
+            assert time.monotonic() < deadline, held()
+            await asyncio.sleep(0.01)   # bounded wait on a shared-memory condition
+        for call in calls:
+            call.cancel()
+        await asyncio.gather(*calls, return_exceptions=True)
+        while len(m._h.busy) > 1:
+            assert time.monotonic() < deadline, m._h.busy
+            await asyncio.sleep(0.01)   # bounded wait on the calls' ends
+        assert len(m._h.stale) == 48   # owed their answers
+        gate.open()   # the gated batch ends, and the 48 are answered at their batch's close, unrun
+        await first
+
+    asyncio.run(abandon())
+    x = np.ones((1, 3), np.float32)
+    for _ in range(60):
+        np.testing.assert_array_equal(m.forward(x), x * 2 + 1)
+    assert len(m._h.stale) + len(m._h.idle) <= client_module._IDLE_KEPT, (len(m._h.stale), len(m._h.idle))
+    m.close()
