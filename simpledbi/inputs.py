@@ -110,6 +110,9 @@ class Inputs:
                     "torch" in sys.modules and isinstance(x, sys.modules["torch"].Tensor):  # numpy first
                 if x.device.type != "cpu":
                     raise TypeError(f"input {self._label(p)}: expected a CPU tensor, got one on {x.device}")
+                if x.layout != sys.modules["torch"].strided:   # (numpy() names the dtype: helper-48)
+                    raise TypeError(f"input {self._label(p)}: expected a dense tensor, got a {x.layout} one "
+                                    f"(call .to_dense() first)")
                 as_torch = True
                 try:
                     x = x.detach().numpy()

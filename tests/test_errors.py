@@ -36,6 +36,7 @@ def _healthy(model):
     (np.zeros((1, 3, 4), np.float64), TypeError, ["expected float32", "got float64"]),
     (torch.zeros((1, 3, 4), dtype=torch.int32), TypeError, ["expected float32", "got int32"]),
     ([[0.0] * 4] * 3, TypeError, ["numpy array or a torch tensor", "got list"]),
+    (torch.zeros((1, 3, 4)).to_sparse(), TypeError, ["expected a dense tensor", "torch.sparse_coo", ".to_dense()"]),
 ])
 def test_bad_input_is_refused_before_anything_is_sent(affine, bad, exc, words):
     before = affine.stats()["requests"]
