@@ -168,6 +168,7 @@ class ModelServer(Holding):
         # Fair turns (NOTE [overload]): clients answered last whose next request is expected
         # (they have nothing waiting), and until when the next batch holds room for them.
         self._returning, self._hold_until = set(), 0.0
+        self._just_answered: set = set()   # slots (ids of Peers) my last batch answered, not back yet
         self._hdr_words = words(self.ctl.header)
         self._inst_words = words(self.ctl.all_instances[self.me:self.me + 1])
         self._inst_words[_I_FREE] = 0
@@ -378,6 +379,7 @@ class ModelServer(Holding):
             self.turnaround = x if t is None else t + 0.05 * (x - t)
         self.arrivals.add(req.rows, req.t_seen)
         self._returning.discard(req.pid)   # back: the batch need hold its turn no longer
+        self._just_answered.discard(id(peer))
         return self.admission.take(req)
 
     def _release(self, req: Request) -> None:
@@ -418,7 +420,8 @@ class ModelServer(Holding):
                     break   # they came back, will not in time, or the device waits
                 close, wait = False, self._hold_until - now
             else:
-                snap = batching.Snapshot(c.rows, c.oldest, c.waiting, may, device_busy, c.newest)
+                snap = batching.Snapshot(c.rows, c.oldest, c.waiting, may, device_busy, c.newest,
+                                         len(self._just_answered))
                 close, wait = batching.decide(snap, now, costs.fit(c.key), arrivals.rate(now), policy,
                                               c.limit, self.turnaround)
             if close or (device_busy and self._peer_free()) or intake.full:
@@ -497,6 +500,7 @@ class ModelServer(Holding):
         t_scatter = time.monotonic()
         # counted before its callers wake (Answers.batch): a caller's stats() after its answer includes it
         count = partial(self.acct.count, batch, total)
+        self._just_answered = {id(r.peer) for r in batch}   # (taken here only after this returns)
         if error is not None:
             count()   # first: isolating answers (and wakes) parts of the batch as it goes
             self.answers.failure(batch, error, t_close)

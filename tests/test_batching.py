@@ -136,6 +136,16 @@ def test_clients_about_to_send_again_are_waited_for_when_it_pays():
                   turnaround=0.0002) == (True, 0.0)
 
 
+def test_only_clients_just_answered_are_waited_for_by_their_turnaround():
+    """A closed-loop client alone in its batch, beside another process's idle slots (attached, so they
+    'may send'): none of those was just answered, so nobody is waited for (each such batch waited two
+    turnarounds: 30% fewer calls/s for the closed-loop client, helper-48)."""
+    s = snap(rows=1, oldest=100.0, newest=100.0, may_send=16)
+    assert not decide(s, 100.0, LAUNCH_BOUND, 0.0, P, turnaround=0.0002)[0]
+    assert decide(s._replace(returning=0), 100.0, LAUNCH_BOUND, 0.0, P, turnaround=0.0002) == (True, 0.0)
+    assert not decide(s._replace(returning=2), 100.0, LAUNCH_BOUND, 0.0, P, turnaround=0.0002)[0]
+
+
 def test_a_client_that_does_not_come_back_is_given_up_on_after_twice_the_turnaround():
     """An attached client that went quiet still counts as 'may send': the batch waits for it only
     until 2 x turnaround after its newest arrival, never up to wait_time."""
