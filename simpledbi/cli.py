@@ -248,12 +248,14 @@ def _serve(args: argparse.Namespace) -> int:
         # before loading any model: a missing extra fails fast
         raise ImportError("--metrics-port needs prometheus_client: pip install 'simpledbi[metrics]'")
     metrics_at = _serve_metrics(cfg) if cfg.metrics_port is not None else ""
-    stop, started, signals = threading.Event(), threading.Event(), []
+    stop, started, draining, signals = threading.Event(), threading.Event(), threading.Event(), []
 
     def on_signal(signum, frame):
         signals.append(signum)
-        if not started.is_set():
-            raise KeyboardInterrupt  # still starting: Runtime.start cleans up and re-raises
+        # still starting: Runtime.start cleans up and re-raises; draining: a second Ctrl-C stops at once
+        # (it did nothing: a drain waits up to --drain-timeout, helper-52)
+        if not started.is_set() or draining.is_set():
+            raise KeyboardInterrupt
         stop.set()
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
@@ -275,7 +277,16 @@ def _serve(args: argparse.Namespace) -> int:
                     runtime.mps.state, cfg.models[0].name, cfg.name, cfg.name, metrics_at)
         stop.wait()
         control.close()
-        runtime.drain(cfg.drain_timeout)
+        try:
+            draining.set()
+            logger.info("stopping: the requests accepted are answered first (Ctrl-C again to stop now)")
+            runtime.drain(cfg.drain_timeout)
+        except KeyboardInterrupt:
+            logger.warning("interrupted again: stopping now; %d request(s) unanswered get RuntimeStopped",
+                           runtime.unanswered())
+            return 128 + signals[-1]
+        finally:
+            draining.clear()
         return 0
     finally:
         if control is not None:

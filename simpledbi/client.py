@@ -301,6 +301,18 @@ class SharedModel(Inputs, LoopCalls):
             finally:
                 h.give_back(slot)
 
+    @classmethod
+    async def connect_async(cls, *args, **kw) -> "SharedModel":
+        """``SharedModel(*args, **kw)``, awaited: the wait for a runtime not up yet (up to
+        ``connect_timeout``) runs in a thread, and the event loop goes on (the constructor held it the
+        whole time, helper-52). Cancelled, the handle it went on to make is closed."""
+        made = asyncio.get_running_loop().run_in_executor(_async_executor(), functools.partial(cls, *args, **kw))
+        try:
+            return await asyncio.shield(made)
+        except asyncio.CancelledError:
+            made.add_done_callback(_close_unwanted)
+            raise
+
     async def forward_async(self, *inputs, timeout: Optional[float] = None,
                             priority: Optional[int] = None, **kw_inputs):
         """``await``-able :meth:`forward`: the event loop never blocks, and concurrent coroutines
@@ -394,10 +406,10 @@ class SharedModel(Inputs, LoopCalls):
             self._raise_runtime_state(h)
         if deadline is not None and slot.priority <= 0 or h.max_queue is not None:
             h.refuse(slot, deadline)
-        if h.refused[0] or h.refused[1]:   # this datagram reports the calls refused here, unsent
+        if any(h.refused):   # this datagram reports the calls refused or withdrawn here, unsent
             with h.lock:
                 slot.refused = [a + b for a, b in zip(slot.refused, h.refused)]
-                h.refused = [0, 0]
+                h.refused = [0, 0, 0]
         return slot.publish(arrays, names, positions, deadline or 0.0, slot.priority, send=False)
 
     @staticmethod
@@ -415,7 +427,7 @@ class SharedModel(Inputs, LoopCalls):
         block = False   # the first try returns at once
         while True:
             if slot.interrupted or slot.cancel is not None and slot.cancel.cancelled:
-                slot.unsent()   # closed or cancelled meanwhile: the request, never sent, is taken back
+                slot.unsent(withdrawn=True)   # closed or cancelled meanwhile: never sent, taken back
                 self._given_up(slot)
             try:
                 slot.send(slot._msg, block)
@@ -431,7 +443,7 @@ class SharedModel(Inputs, LoopCalls):
             if deadline is not None:
                 wait = min(wait, deadline - time.monotonic())
                 if wait <= 0:
-                    slot.unsent()
+                    slot.unsent(withdrawn=True)
                     self._on_timeout(slot, "the model's queue stayed full; the request was not sent")
             h.set_send_timeout(wait)
             block = True
@@ -544,6 +556,12 @@ class SharedModel(Inputs, LoopCalls):
 def _outcome_read(future: asyncio.Future) -> None:
     if not future.cancelled():
         future.exception()
+
+
+def _close_unwanted(future: asyncio.Future) -> None:
+    """connect_async's handle, made after its caller was cancelled: nobody will close it."""
+    if not future.cancelled() and future.exception() is None:
+        future.result().close()
 
 
 def _attach(name: str, max_shape, dtype, kw: dict):
@@ -756,8 +774,11 @@ class _Handles:
             reg, starting = naming.resolve(model.runtime), False   # (as last seen)
             if reg is None and not told and avoid is None and deadline > time.monotonic():
                 told = True   # a typo would otherwise be connect_timeout seconds of silence
-                logger.warning("no simpledbi runtime named %r is running yet; waiting up to %.3g s "
-                               "for it (connect_timeout)", model.runtime, deadline - time.monotonic())
+                # (not "yet": a serve that is draining has unregistered too, helper-52)
+                logger.warning("no simpledbi runtime named %r is running now (not started, or stopping); "
+                               "waiting up to %.3g s more for one (%s)", model.runtime, deadline - time.monotonic(),
+                               f"connect_timeout={model.connect_timeout:g} s" if call_timeout is None else
+                               f"the call's timeout, {call_timeout:g} s")
             if reg is not None and reg.namespace != avoid:
                 if model.name not in reg.models:
                     raise LookupError(f"runtime {model.runtime!r} serves {list(reg.models)}, not "
@@ -866,8 +887,18 @@ class _Handles:
         handle is closed, detached (the last one out closes the shared handles)."""
         with self.lock:
             self.busy.discard(slot)
+            if slot is not None and any(slot.refused):   # reported by the handle's next datagram, any slot's
+                self.refused = [a + b for a, b in zip(self.refused, slot.refused)]
+                slot.refused = [0, 0, 0]
             if not self.closed:
                 (self.stale if slot.stale_seq else self.idle).append(slot)
+                stale = self.stale
+                # the oldest first (late answers come about in order): settled at the next call after a
+                # burst of abandoned calls, not after as many calls as there are stale slots (helper-51)
+                while stale and stale[0].answered(stale[0].stale_seq):
+                    settled = stale.pop(0)
+                    settled.stale_seq = 0
+                    self.idle.append(settled)
                 self._given_back += 1
                 if len(self.stale) > _IDLE_KEPT and self._given_back >= len(self.stale):
                     self._settle_stale()
@@ -901,7 +932,8 @@ class _Handles:
         self._given_back = 0       # slots given back since stale ones were last looked at
         self.busy: set = set()
         self.creating = 0          # slots being made right now (outside the lock)
-        self.refused = [0, 0]      # calls refused here (deadline, queue: NOTE [overload]), not reported yet
+        # calls ended here unsent (refused: deadline, queue -- NOTE [overload]; withdrawn), not reported yet
+        self.refused = [0, 0, 0]
         if getattr(self, "_sender", None) is not None:   # (a forked child: its parent's)
             self._sender.drop_inherited()
         self._sender: Optional[sender.Sender] = None   # forward_async's, made at its first full queue

@@ -113,6 +113,11 @@ class Inputs:
                 if x.layout != sys.modules["torch"].strided:   # (numpy() names the dtype: helper-48)
                     raise TypeError(f"input {self._label(p)}: expected a dense tensor, got a {x.layout} one "
                                     f"(call .to_dense() first)")
+                if x.is_nested:   # (strided, yet numpy() raised torch's "Internal error": helper-51)
+                    raise TypeError(f"input {self._label(p)}: expected a dense tensor, got a nested one "
+                                    f"(pad it first: .to_padded_tensor(0))")
+                if x.is_conj() or x.is_neg():   # lazy views numpy() refuses: their values, as torch reads them
+                    x = x.resolve_conj().resolve_neg()
                 as_torch = True
                 try:
                     x = x.detach().numpy()

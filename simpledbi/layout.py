@@ -31,7 +31,7 @@ import numpy as np
 from .shm import Segment, ns_path
 
 MAGIC = 0x31494244535F  # "_SDBI1"
-VERSION = 10
+VERSION = 11   # the control block and the request datagram (11: REQ_PREFIX's last field 64 bits)
 MAX_IO = 8          # inputs and outputs per request
 MAX_NAMES = 48      # input names a model declares: bits 0..47 of a request's ``flags``
 MAX_NDIM = 8        # dimensions of one item (an input or output row)
@@ -375,11 +375,11 @@ WAKE_MAGIC = 0x5344_4257       # "SDBW": from the runtime itself: look at the mo
 # kernel says the sender is a model process of this model.
 FWD_MAGIC = 0x5344_4246
 FWD_PREFIX = struct.Struct("<Iiq")       # magic, 0, client pid
-# ``refused``: calls this slot's client refused itself since its previous datagram, without
-# sending them (every serving process published a wait past their deadline, or max_queue was
-# reached: NOTE [overload]) -- the low 16 bits for deadlines, the next 15 for the queue; the
-# process that takes this datagram counts them.
-REQ_PREFIX = struct.Struct("<IiQqqddii")  # magic, fd, token, seq, rows, t_publish, deadline,
+# ``refused``: calls this slot's client ended itself since its previous datagram, without sending
+# them, 16 bits each: refused (every serving process published a wait past their deadline, bits
+# 0-15; or max_queue was reached, 16-31: NOTE [overload]), and withdrawn (cancelled, closed or timed
+# out while the model's queue was full, 32-47); the process that takes this datagram counts them.
+REQ_PREFIX = struct.Struct("<IiQqqddiq")  # magic, fd, token, seq, rows, t_publish, deadline,
 #                                           priority, refused
 LAYOUT_HEAD = struct.Struct("<qqq")      # out_offset, flags, n_in
 INPUT_HEAD = struct.Struct("<qqq")       # dtype code, ndim, offset

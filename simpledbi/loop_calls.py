@@ -12,6 +12,7 @@ import time
 from typing import TYPE_CHECKING, Optional
 
 from . import watchers
+from .errors import RuntimeStopped
 
 if TYPE_CHECKING:
     from .client import ClientSlot, _Handles
@@ -76,7 +77,7 @@ class LoopCalls:
                     if wait <= 0:
                         if not sender.give_up(item):
                             return   # sent (or the kernel holds it): the wait for its answer times out
-                        slot.unsent()
+                        slot.unsent(withdrawn=True)
                         self._on_timeout(slot, "the model's queue stayed full; the request was not sent")
                     timer = loop.call_later(wait, watchers.settle, item.future)   # (then a look)
                 try:
@@ -93,7 +94,7 @@ class LoopCalls:
                 if slot.interrupted:
                     self._given_up(slot)
                 self._check_runtime(h, slot)
-        except BaseException:   # (the call's TimeoutError too: an OSError, not "the socket is gone")
-            if sender.give_up(item):   # never sent: the refusals it was to report go with the next
-                slot.unsent()
+        except BaseException as e:   # (the call's TimeoutError too: an OSError, not "the socket is gone")
+            if sender.give_up(item):   # never sent: the counts it was to report go with the next
+                slot.unsent(withdrawn=isinstance(e, (asyncio.CancelledError, TimeoutError, RuntimeStopped)))
             raise

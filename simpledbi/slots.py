@@ -126,7 +126,8 @@ class ClientSlot:
             futex.ticket_init(self._base + TICKETS_OFF + 4 * k)
         self._waiter = futex.Waiter()
         self._codes = [dtype_code(dt) for dt in dtypes]
-        self.refused = [0, 0]   # calls refused here, unsent: deadline, queue (the next datagram reports them)
+        # calls ended here, unsent: refused (deadline, queue), withdrawn -- the next datagram reports them
+        self.refused = [0, 0, 0]
         self._reported = 0      # ... and those the current request's datagram reports (layout: REQ_PREFIX)
         self._layouts: Dict[tuple, bytes] = {}   # (names, positions, item shapes) -> layout bytes
         self._anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [self.seg.fd]).tobytes())] \
@@ -174,11 +175,10 @@ class ClientSlot:
         self.seq += 1
         seq, r, refused = self.seq, self.refused, 0
         self.published = time.monotonic()
-        if r[0] or r[1]:   # 16 and 15 bits, as many as fit (layout: REQ_PREFIX); the rest go next time
-            d, q = min(r[0], 0xFFFF), min(r[1], 0x7FFF)
-            r[0] -= d
-            r[1] -= q
-            refused = d | q << 16
+        if r[0] or r[1] or r[2]:   # 16 bits each, as many as fit (layout: REQ_PREFIX); the rest next time
+            d, q, w = min(r[0], 0xFFFF), min(r[1], 0xFFFF), min(r[2], 0xFFFF)
+            r[0], r[1], r[2] = r[0] - d, r[1] - q, r[2] - w
+            refused = d | q << 16 | w << 32
         self._reported = refused
         _I64.pack_into(self.seg.buf, PUB_SEQ_OFF, seq)
         futex.offer(self._ticket)
@@ -198,11 +198,13 @@ class ClientSlot:
             self.sock.sendmsg([msg], self._anc, flags)
         self.sent_seq = self.seq
 
-    def unsent(self) -> None:
-        """The current request's datagram was never sent: the refusals it was to report go with
-        the next one."""
-        self.refused[0] += self._reported & 0xFFFF
-        self.refused[1] += self._reported >> 16
+    def unsent(self, withdrawn: bool = False) -> None:
+        """The current request's datagram was never sent: the counts it was to report go with the
+        next one (``withdrawn``: its call ended, cancelled, closed or timed out -- counted too)."""
+        r, reported = self.refused, self._reported
+        r[0] += reported & 0xFFFF
+        r[1] += reported >> 16 & 0xFFFF
+        r[2] += (reported >> 32 & 0xFFFF) + withdrawn
         self._reported = 0
 
     def resend(self) -> None:
@@ -344,7 +346,7 @@ class ClientSlot:
         seg.close()
 
 
-_REFUSED_B, _REFUSED = REQ_PREFIX.size - 4, struct.Struct("<i")   # the last field of REQ_PREFIX
+_REFUSED_B, _REFUSED = REQ_PREFIX.size - 8, struct.Struct("<q")   # the last field of REQ_PREFIX
 
 
 # ================================================================ model-process side

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import warnings
 
 import numpy as np
 import pytest
@@ -28,6 +29,12 @@ def _healthy(model):
     np.testing.assert_array_equal(model.forward(x), x * 2 + 1)
 
 
+def _nested():
+    with warnings.catch_warnings():   # (torch: "the PyTorch API of nested tensors is in prototype stage")
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.nested.nested_tensor([torch.zeros(3, 4)])
+
+
 @pytest.mark.parametrize("bad,exc,words", [
     (np.zeros((3, 3, 4), np.float32), ValueError, ["1..2 rows", "got 3"]),
     (np.zeros((0, 3, 4), np.float32), ValueError, ["1..2 rows", "got 0"]),
@@ -37,6 +44,8 @@ def _healthy(model):
     (torch.zeros((1, 3, 4), dtype=torch.int32), TypeError, ["expected float32", "got int32"]),
     ([[0.0] * 4] * 3, TypeError, ["numpy array or a torch tensor", "got list"]),
     (torch.zeros((1, 3, 4)).to_sparse(), TypeError, ["expected a dense tensor", "torch.sparse_coo", ".to_dense()"]),
+    (_nested(), TypeError, ["expected a dense tensor", "nested",
+                                                                  ".to_padded_tensor(0)"]),
 ])
 def test_bad_input_is_refused_before_anything_is_sent(affine, bad, exc, words):
     before = affine.stats()["requests"]
@@ -45,6 +54,16 @@ def test_bad_input_is_refused_before_anything_is_sent(affine, bad, exc, words):
     for w in words:
         assert w in str(info.value)
     assert affine.stats()["requests"] == before
+    _healthy(affine)
+
+
+def test_a_negated_or_conjugated_view_is_sent_as_torch_reads_it(affine):
+    """numpy() refuses tensors with their lazy negation bit set: torch's own RuntimeError reached the
+    caller (helper-51). Their values are what torch would compute with."""
+    x = torch.arange(24, dtype=torch.float32).reshape(2, 3, 4)
+    view = torch._neg_view(x)
+    assert view.is_neg()
+    torch.testing.assert_close(affine.forward(view), -x * 2 + 1)
     _healthy(affine)
 
 

@@ -1188,3 +1188,38 @@ def test_a_withdrawn_request_datagram_cannot_lose_the_next_request(start_runtime
         t.join(150)
     assert not lost, f"{len(lost)} calls were never answered: {lost[0]}"
     assert m.stats()["withdrawn"] > 0   # the race was there to lose
+
+
+@pytest.mark.timeout(120)
+def test_a_killed_client_nobody_reaps_is_dropped_while_requests_keep_coming(start_runtime):
+    """A client process killed and not reaped by its parent (a zombie) kept its slots mapped, memory and
+    all, for as long as requests kept coming: under load the clean-up told zombies from live processes
+    only at a quiet poll interval (helper-51: 82 slots and 320 MB kept). Now a few processes are told
+    apart at each clean-up, in turn."""
+    rt = start_runtime(cpu_model("m", models.affine, max_batch_size=4))
+    clients = lambda: int(rt.ctls["m"].instances["clients"][0])   # noqa: E731
+    code = ("import sys, threading, numpy as np\n"
+            "from simpledbi import SharedModel\n"
+            f"m = SharedModel('m', (1, 3), namespace={rt.namespace!r})\n"
+            "m.forward(np.ones((1, 3), np.float32))\n"
+            "print('READY', flush=True)\n"
+            "threading.Event().wait()\n")
+    victim = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        assert victim.stdout.readline().startswith("READY")
+        m = SharedModel("m", (1, 3), namespace=rt.namespace)
+        x = np.ones((1, 3), np.float32)
+        m.forward(x)
+        assert clients() == 2
+        os.kill(victim.pid, signal.SIGKILL)   # not waited for: a zombie while this test runs
+        deadline = time.monotonic() + 30
+        while clients() != 1:   # steady load meanwhile: this closed loop
+            assert time.monotonic() < deadline, "the killed client's slot was kept"
+            np.testing.assert_array_equal(m.forward(x), x * 2 + 1)
+        with open(f"/proc/{victim.pid}/stat") as f:
+            assert f.read().rsplit(")", 1)[1].split()[0] == "Z"   # it was a zombie all along
+        m.close()
+    finally:
+        victim.kill()
+        victim.wait(30)
+        victim.stdout.close()

@@ -366,6 +366,84 @@ def test_serve_drains_accepted_requests_at_sigterm_and_cleans_up(gate, to_group)
 
 
 @pytest.mark.timeout(180)
+def test_connect_async_waits_for_a_runtime_without_holding_the_event_loop():
+    """SharedModel(name) waits for a runtime that is not up yet -- inside a coroutine it held the event
+    loop that long (a 10 ms ticker ran 7.7 s late, helper-52). connect_async waits in a thread; a
+    cancelled one closes the handle it makes."""
+    name = _name()
+
+    async def main():
+        late, stop = [], asyncio.Event()
+
+        async def ticker():
+            while not stop.is_set():
+                t = time.monotonic()
+                await asyncio.sleep(0.01)
+                late.append(time.monotonic() - t - 0.01)
+        tick = asyncio.ensure_future(ticker())
+        attaching = asyncio.ensure_future(SharedModel.connect_async("m", (1, 3), runtime=name,
+                                                                    connect_timeout=120))
+        abandoned = asyncio.ensure_future(SharedModel.connect_async("m", (1, 3), runtime=name,
+                                                                    connect_timeout=120))
+        await asyncio.sleep(0.05)
+        abandoned.cancel()
+        proc = _serve(name, "--model", "m=tests.models:affine")
+        try:
+            m = await asyncio.wait_for(attaching, 120)
+            x = np.ones((1, 3), np.float32)
+            np.testing.assert_array_equal(await m.forward_async(x), x * 2 + 1)
+            stop.set()
+            await tick
+            m.close()
+            with pytest.raises(asyncio.CancelledError):
+                await abandoned
+        finally:
+            proc.send_signal(signal.SIGINT)
+            assert proc.wait(60) == 0
+        return late
+
+    late = asyncio.run(main())
+    assert len(late) > 20 and max(late) < 1.0, (len(late), max(late))   # serve took seconds to come up
+
+
+@pytest.mark.timeout(180)
+def test_a_second_ctrl_c_while_serve_drains_stops_it_at_once(gate):
+    """The first Ctrl-C drains (up to --drain-timeout); a second one did nothing, so the only way out
+    of a long drain was SIGKILL (helper-52). Now it stops the runtime at once: the request it held gets
+    RuntimeStopped, nothing is left behind."""
+    name = _name()
+    proc = _serve(name, "--model", "g=tests.models:gated_from_env", "--drain-timeout", "300",
+                  env={"SDBI_TEST_GATE": gate.name})
+    try:
+        _wait_for(proc, "ready")
+        reg = naming.resolve(name)
+        client = SharedModel("g", (1, 3), runtime=name)
+        got = {}
+
+        def call():
+            try:
+                got["y"] = client.forward(np.full((1, 3), models.GATE, np.float32), timeout=120)
+            except Exception as e:
+                got["y"] = e
+        t = threading.Thread(target=call)
+        t.start()
+        gate.wait_entered()          # held inside the forward pass, which the gate holds
+        proc.send_signal(signal.SIGINT)
+        _wait_for(proc, "Ctrl-C again to stop now")
+        _wait_for(proc, "draining: new requests are refused; finishing 1 accepted")
+        proc.send_signal(signal.SIGINT)
+        _wait_for(proc, "interrupted again: stopping now; 1 request(s) unanswered")
+        assert proc.wait(60) == 128 + signal.SIGINT
+        t.join(60)
+        assert isinstance(got["y"], (RuntimeStopped, simpledbi.ModelProcessDied)), got
+        client.close()
+        assert _gone(reg)
+    finally:
+        gate.open()
+        _stop(proc)
+
+
+@pytest.mark.timeout(180)
 def test_a_killed_serve_is_cleaned_up_and_clients_reattach_to_the_next_one():
     name = _name()
     first = _serve(name, "--model", "m=tests.models:affine")
