@@ -482,7 +482,10 @@ class SharedModel(Inputs, LoopCalls):
                 if h.ctl.state == BROKEN:   # (a model process stops when its model is marked
                     self._raise_runtime_state(h)   # broken: the runtime itself is still there)
                 self._stopped(h, text or "runtime stopped")
-            raise _status_error(self.name, status, text, slot.call_timeout, slot.call_start, h.max_queue)
+            error = _status_error(self.name, status, text, slot.call_timeout, slot.call_start, h.max_queue)
+            if status == ST_MODEL_ERROR and self._declared_items:
+                error.args = (error.args[0] + self._shape_note(slot.request_key),)
+            raise error
         outs = slot.outputs()
         out_names = slot.output_names() if structure >= OUT_DICT else b""
         self._latest = timing = slot.timing_tuple()

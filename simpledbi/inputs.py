@@ -88,6 +88,7 @@ class Inputs:
         """This client's max_shapes, dtypes and input names (_client_inputs)."""
         self.max_shapes, self.dtypes, self.input_names, self._required = _client_inputs(
             self.name, h.ctl, *self._args)
+        self._declared_items = h.ctl.declared()[1]   # the model's input_shapes, if declared
         self._fits: set = set()   # (position, shape) of inputs that fit max_shapes (_check_shape)
         self._name_index = {n: j for j, n in enumerate(self.input_names)}
 
@@ -154,6 +155,16 @@ class Inputs:
         if len(self._fits) > 1024:
             self._fits = set()
         self._fits.add((p, x.shape))
+
+    def _shape_note(self, request_key) -> str:
+        """For a ModelError: where this request's item shapes differ from the model's declared
+        input_shapes (requests may be smaller, but a model that needs those shapes fails there with
+        its own words, e.g. "mat1 and mat2 shapes cannot be multiplied": helper-52)."""
+        _, positions, items = request_key
+        off = [f"input {self._label(p)} has item shape {item}, the model declares {self._declared_items[p]}"
+               for p, item in zip(positions, items)
+               if p < len(self._declared_items) and tuple(item) != tuple(self._declared_items[p])]
+        return f" ({'; '.join(off)} in input_shapes)" if off else ""
 
     def _label(self, k: int) -> str:
         return repr(self.input_names[k]) if k < len(self.input_names) else str(k)

@@ -162,7 +162,7 @@ class ClientSlot:
                 view = self._in_views[(p, x.shape)] = self.seg.ndarray(off, dt, x.shape)
             np.copyto(view, x)
         items = tuple(x.shape[1:] for x in arrays)
-        key = (names, positions, items)
+        key = self.request_key = (names, positions, items)   # (the client's ModelError names the items)
         layout = self._layouts.get(key)
         if layout is None:
             if len(self._layouts) > 256:

@@ -459,3 +459,9 @@ def slow_exit(seconds: float = 4.0):
     import atexit
     atexit.register(time.sleep, seconds)
     return Affine()
+
+
+def linear16():
+    """A model that needs its declared item shape exactly: (16,) -> (4,)."""
+    torch.manual_seed(0)
+    return nn.Linear(16, 4)

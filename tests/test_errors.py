@@ -306,3 +306,16 @@ def test_a_call_after_close_says_closed_however_the_handle_attached():
             m.close()
             with pytest.raises(RuntimeStopped, match="is closed"):
                 m.forward(np.ones((1, 2), np.float32))
+
+
+def test_a_model_error_names_item_shapes_other_than_the_declared_ones(start_runtime):
+    """Requests may be smaller than the declared input_shapes, so a (1, 15) input reaches a model
+    declared (16,); one that needs exactly that fails with its own words ("mat1 and mat2 shapes cannot
+    be multiplied"), which said nothing of the declaration (helper-52). The error now names both."""
+    rt = start_runtime(cpu_model("lin", models.linear16, input_shapes=[(16,)]))
+    m = SharedModel("lin", namespace=rt.namespace)
+    with pytest.raises(ModelError, match=r"shapes cannot be multiplied .*\(input 'input' has item shape "
+                                         r"\(15,\), the model declares \(16,\) in input_shapes\)"):
+        m.forward(np.ones((1, 15), np.float32))
+    assert m.forward(np.ones((2, 16), np.float32)).shape == (2, 4)
+    m.close()
