@@ -63,9 +63,9 @@ async def attached() -> SharedModel:
     runtime restarts). One attempt at a time: the requests that come meanwhile share its outcome,
     rather than each waiting ATTACH_WAIT in turn for a runtime that is not there."""
     if app.state.model is None:
-        if app.state.attaching is None:   # (attaching waits for the runtime: not in the loop)
-            app.state.attaching = asyncio.ensure_future(asyncio.to_thread(
-                SharedModel, MODEL, (MAX_ROWS, 16), connect_timeout=ATTACH_WAIT))
+        if app.state.attaching is None:   # (connect_async waits for the runtime in a thread)
+            app.state.attaching = asyncio.ensure_future(SharedModel.connect_async(
+                MODEL, (MAX_ROWS, 16), connect_timeout=ATTACH_WAIT))
             app.state.attaching.add_done_callback(_attach_done)
         return await asyncio.shield(app.state.attaching)
     return app.state.model
