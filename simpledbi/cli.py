@@ -282,8 +282,10 @@ def _serve(args: argparse.Namespace) -> int:
             logger.info("stopping: the requests accepted are answered first (Ctrl-C again to stop now)")
             runtime.drain(cfg.drain_timeout)
         except KeyboardInterrupt:
-            logger.warning("interrupted again: stopping now; %d request(s) unanswered get RuntimeStopped",
-                           runtime.unanswered())
+            # (unanswered() counts a model's socket queue as one: helper-53)
+            logger.warning("interrupted again: stopping now; requests still unanswered (at least %d) end: "
+                           "clients attached by name wait for a successor up to their connect_timeout, "
+                           "others get RuntimeStopped", runtime.unanswered())
             return 128 + signals[-1]
         finally:
             draining.clear()

@@ -39,7 +39,7 @@ from .layout import (BROKEN, MAX_PRIORITY, OUT_DICT, OUT_TENSOR, OUT_TUPLE, ST_B
                      STARTING, STOPPING, ControlBlock, decode_names, socket_path)
 from .overload import Refusal
 from .shm import NAMESPACE_RE, SHM_DIR, pid_alive
-from .slots import ClientSlot, _dumpable
+from .slots import ClientSlot, _dumpable, unsent_datagram
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +62,9 @@ _IDLE_KEPT = 16
 _ASYNC_MAX_THREADS = 4096
 _async_pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
 _async_pool_lock = threading.Lock()
+
+
+_connecting = threading.local()   # .cancel: the _Cancel of connect_async's constructor in this thread
 
 
 def _async_executor() -> concurrent.futures.ThreadPoolExecutor:
@@ -181,7 +184,8 @@ class SharedModel(Inputs, LoopCalls):
         self._args = (max_shape, dtype)
         #: The runtime's name when attached by name (re-attached after a restart), else None.
         self.runtime = None if runtime is None else naming.check_name(runtime)
-        self._h = _Handles.open(namespace, name) if runtime is None else self._connect()
+        self._h = _Handles.open(namespace, name) if runtime is None else self._connect(
+            cancel=getattr(_connecting, "cancel", None))
         self.namespace = self._h.namespace
         self._attach_lock = threading.Lock()
         # The last request of the calling thread -- or asyncio task: every thread and every task
@@ -306,10 +310,19 @@ class SharedModel(Inputs, LoopCalls):
         """``SharedModel(*args, **kw)``, awaited: the wait for a runtime not up yet (up to
         ``connect_timeout``) runs in a thread, and the event loop goes on (the constructor held it the
         whole time, helper-52). Cancelled, the handle it went on to make is closed."""
-        made = asyncio.get_running_loop().run_in_executor(_async_executor(), functools.partial(cls, *args, **kw))
+        cancel = _Cancel()
+
+        def make() -> "SharedModel":
+            _connecting.cancel = cancel   # (the constructor's wait for the runtime looks at it)
+            try:
+                return cls(*args, **kw)
+            finally:
+                _connecting.cancel = None
+        made = asyncio.get_running_loop().run_in_executor(_async_executor(), make)
         try:
             return await asyncio.shield(made)
         except asyncio.CancelledError:
+            cancel.cancel()   # its thread stops waiting (it held the process's exit connect_timeout long)
             made.add_done_callback(_close_unwanted)
             raise
 
@@ -970,8 +983,15 @@ class _Handles:
                 except OSError:
                     sock.close()
                     raise
-                self._sender = sender.Sender(sock, look)
+                self._sender = sender.Sender(sock, look, self._lost)
             return self._sender
+
+    def _lost(self, msgs: List[bytes]) -> None:
+        """Datagrams the sender thread never sent after their calls gave them up: what each was to
+        report, and the call itself, withdrawn, go with the handle's next request."""
+        with self.lock:
+            for msg in msgs:
+                self.refused = [a + b for a, b in zip(self.refused, unsent_datagram(msg))]
 
     def _close_shared(self) -> None:
         if self._sender is not None:

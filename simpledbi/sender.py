@@ -23,7 +23,7 @@ import os
 import socket
 import struct
 import threading
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 from . import watchers
 
@@ -72,8 +72,8 @@ class Sender:
     """The thread that sends a handle's queued datagrams through its own socket ``sock``
     (connected to the model's socket), each send waiting at most ``look`` seconds for room."""
 
-    def __init__(self, sock: socket.socket, look: float):
-        self._sock = sock
+    def __init__(self, sock: socket.socket, look: float, on_lost: Callable[[List[bytes]], None]):
+        self._sock, self._on_lost = sock, on_lost
         sec = int(look)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
                         struct.pack("ll", sec, int((look - sec) * 1e6)))
@@ -148,7 +148,7 @@ class Sender:
                             item.state = _SENDING
                             batch.append(item)
                 n, err = self._send(fd, batch)
-                done = []
+                done, lost = [], []
                 with self._lock:
                     self._sending = []
                     for k, item in enumerate(batch):
@@ -160,11 +160,15 @@ class Sender:
                             done.append((item.loop, item.future, False))
                         elif item.state == _SENDING:
                             item.state = _WAITING
+                        else:   # given up while the kernel held it, and not sent: its call withdrawn
+                            lost.append(item.msg)   # (counted nowhere: helper-53)
                     if n < len(batch) and err is None:   # full for a poll interval: back in front, in
                         unsent = [item for item in batch[n:] if item.state == _WAITING]   # order, and
                         queue.extendleft(reversed(unsent))   # every waiting call checks the runtime
                         done += [(item.loop, item.future, False) for item in queue]
                 watchers.hand_over(done)
+                if lost:
+                    self._on_lost(lost)
         finally:
             self._sock.close()
 

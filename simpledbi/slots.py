@@ -201,10 +201,7 @@ class ClientSlot:
     def unsent(self, withdrawn: bool = False) -> None:
         """The current request's datagram was never sent: the counts it was to report go with the
         next one (``withdrawn``: its call ended, cancelled, closed or timed out -- counted too)."""
-        r, reported = self.refused, self._reported
-        r[0] += reported & 0xFFFF
-        r[1] += reported >> 16 & 0xFFFF
-        r[2] += (reported >> 32 & 0xFFFF) + withdrawn
+        self.refused = [a + b for a, b in zip(self.refused, reported_by(self._reported, withdrawn))]
         self._reported = 0
 
     def resend(self) -> None:
@@ -347,6 +344,17 @@ class ClientSlot:
 
 
 _REFUSED_B, _REFUSED = REQ_PREFIX.size - 8, struct.Struct("<q")   # the last field of REQ_PREFIX
+
+
+def reported_by(refused: int, withdrawn: bool = False) -> List[int]:
+    """[deadline, queue, withdrawn]: the counts a request datagram's ``refused`` field reports (layout:
+    REQ_PREFIX), plus its own call's withdrawal -- to report again when the datagram is never sent."""
+    return [refused & 0xFFFF, refused >> 16 & 0xFFFF, (refused >> 32 & 0xFFFF) + withdrawn]
+
+
+def unsent_datagram(msg: bytes) -> List[int]:
+    """What a datagram given up and never sent was to report, and its call, withdrawn."""
+    return reported_by(_REFUSED.unpack_from(msg, _REFUSED_B)[0], True)
 
 
 # ================================================================ model-process side
