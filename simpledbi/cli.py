@@ -296,6 +296,8 @@ def _serve(args: argparse.Namespace) -> int:
         runtime.shutdown()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        if signals:   # stopped by a signal, the process exits: a further Ctrl-C meanwhile raised inside
+            signal.signal(signal.SIGINT, signal.SIG_IGN)   # torch's atexit hooks, with a traceback (helper-53)
         if started.is_set():
             logger.info("runtime %r stopped", cfg.name)
 
