@@ -19,7 +19,7 @@ import numpy as np
 from .layout import (CLAIM_OFF, FWD_MAGIC, FWD_PREFIX, HELD, INSTANCE, MAX_DATAGRAM, MAX_PRIORITY,
                      PUB_SEQ_OFF, REQ_MAGIC, REQ_PREFIX, ST_BAD_REQUEST, ST_FULL, WAKE_MAGIC, ControlBlock,
                      words)
-from .shm import pid_alive, pid_exists
+from .shm import pid_alive
 from .slots import BadRequest, Layout, Limits, Peer, Request, check_size, parse_layout
 
 logger = logging.getLogger(__name__)
@@ -45,12 +45,6 @@ _HOLES_CHECKED = 1 << 20
 #: holds one): what it opens once serving -- a refused newcomer's slot, a passed descriptor and its
 #: dup, what the model's code or CUDA opens lazily (more than that: _out_of_descriptors).
 _FD_RESERVE = 32
-#: Client processes told from zombies (killed, not reaped yet) per clean-up while requests keep coming:
-#: each costs a /proc read, ~20 us, and a clean-up runs a poll interval apart beside the batches (all
-#: 128 at once cost 2-3 ms there: BENCHMARKS run 47). Taken in turn, so a killed client nobody reaps is
-#: dropped within (its processes / 8) poll intervals under load -- its slots and memory were kept as
-#: long as the load lasted (helper-51) -- and at the first quiet poll interval, with all the others.
-_ZOMBIE_LOOKS = 8
 
 
 class Intake:
@@ -71,7 +65,11 @@ class Intake:
         self._spare = _reserve_descriptor()   # freed to answer a newcomer when out of them
         self.pid, self.uid = os.getpid(), os.getuid()
         self.peers: Dict[Tuple[int, int], Peer] = {}     # (pid, token) -> the slot mapped
-        self._zombie_turn = 0                            # where prune's next looks at zombies begin
+        # A pidfd per client process with a slot mapped: the kernel says when it exits (a zombie too)
+        self._pidfds: Dict[int, int] = {}                # pid -> its pidfd
+        self._pid_of: Dict[int, int] = {}                # pidfd -> pid
+        self._slots_of: Dict[int, int] = {}              # pid -> its slots mapped
+        self._exits = select.poll()                      # the pidfds, readable once their process exited
         self._layouts: Dict[bytes, Layout] = {}
         self._rcvtimeo = -1.0
         self._held = words(ctl.held[row])                # my HELD rows, as int64 words
@@ -232,6 +230,7 @@ class Intake:
                 peer.close()
                 return None
             self.peers[(pid, token)] = peer
+            self._watch(pid)
             self._inst[_INST_CLIENTS] = len(self.peers)
             self.on_new_peer(peer)
             return peer
@@ -240,15 +239,16 @@ class Intake:
                 self._spare = _reserve_descriptor()
 
     def fit_to_descriptors(self) -> None:
-        """Map at most as many client slots as the descriptor limit leaves room for (each holds one;
-        model_process_main raised the soft limit to the hard one): past that the process makes room
+        """Map at most as many client slots as the descriptor limit leaves room for (each holds one, and
+        its process's pidfd another when it is the process's only slot; model_process_main raised the
+        soft limit to the hard one): past that the process makes room
         as at ``max_clients`` (an idle slot goes, else the newcomer is refused) instead of failing to
         open the newcomer's slot, which dropped its request unanswered."""
         with contextlib.suppress(OSError, ValueError):
             soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
             if soft == resource.RLIM_INFINITY:
                 return
-            allowed = max(1, soft - len(os.listdir("/proc/self/fd")) - _FD_RESERVE)
+            allowed = max(1, (soft - len(os.listdir("/proc/self/fd")) - _FD_RESERVE) // 2)
             if allowed < self.max_clients:
                 logger.warning("%s max_clients is %d, but its descriptor limit (%d) leaves room for %d "
                                "client slots: it maps no more (raise the hard limit, `ulimit -Hn`)",
@@ -280,9 +280,32 @@ class Intake:
         idle = [(not peer.closed(), peer.answered_at, key) for key, peer in self.peers.items()
                 if not peer.inflight]
         if idle:
-            peer = self.peers.pop(min(idle)[2])
-            self.on_drop(peer)
-            peer.close()
+            self._drop(min(idle)[2])
+
+    def _watch(self, pid: int) -> None:
+        """A slot of process ``pid`` is mapped: open its pidfd with its first one. Without one (out of
+        descriptors, or it exited meanwhile) prune asks the kernel by pid, as before pidfds."""
+        self._slots_of[pid] = self._slots_of.get(pid, 0) + 1
+        if pid not in self._pidfds:
+            with contextlib.suppress(OSError):
+                fd = os.pidfd_open(pid)
+                self._pidfds[pid], self._pid_of[fd] = fd, pid
+                self._exits.register(fd, select.POLLIN)
+
+    def _drop(self, key: Tuple[int, int]) -> None:
+        """Unmap a slot (none of its requests held); its process's pidfd goes with its last slot."""
+        peer = self.peers.pop(key)
+        self.on_drop(peer)
+        peer.close()
+        pid = peer.pid
+        self._slots_of[pid] -= 1
+        if not self._slots_of[pid]:
+            del self._slots_of[pid]
+            fd = self._pidfds.pop(pid, None)
+            if fd is not None:
+                self._exits.unregister(fd)
+                del self._pid_of[fd]
+                os.close(fd)
 
     def _sibling(self, pid: int) -> bool:
         """Is ``pid`` a model process of this model (either bank, in any state: one that died after handing
@@ -323,35 +346,28 @@ class Intake:
         process of the model holds (an estimate: a batching hint, never a correctness input)."""
         return max(len(self.peers) - sum(self._all_inst[_INST_HELD::_INST_WORDS]), 0)
 
-    def prune(self, zombies: bool = True) -> None:
-        """Drop the mappings of slots whose client detached or died (none with a request held). Not
-        ``zombies``: clients killed and not yet reaped by their parent are told only among
-        _ZOMBIE_LOOKS of the client processes, in turn -- telling a zombie reads its /proc stat, 2-3 ms
-        for 128 clients (ModelServer._maintenance)."""
-        pids = sorted({peer.pid for peer in self.peers.values() if not peer.inflight})
-        if not zombies and len(pids) > _ZOMBIE_LOOKS:
-            turn = self._zombie_turn % len(pids)
-            self._zombie_turn = turn + _ZOMBIE_LOOKS
-            pids = (pids + pids)[turn:turn + _ZOMBIE_LOOKS]
-        dead = {pid for pid in pids if not pid_alive(pid)}
+    def prune(self) -> None:
+        """Drop the mappings of slots whose client detached or exited (none with a request held). Which
+        processes exited, killed and not reaped (zombies) too, one poll() of their pidfds says: asking by
+        pid took a kill() each and a /proc read to tell a zombie, 2-3 ms for 128 clients, which under
+        load was done only a few at a time (helper-51: a killed client's slots kept for as long as the
+        load lasted) -- and a pid, unlike a pidfd, can be another process's by then."""
+        exited = {self._pid_of[fd] for fd, _ in self._exits.poll(0)} if self._pid_of else ()
         for key, peer in list(self.peers.items()):
             if peer.inflight:
                 continue
+            pid = peer.pid
             try:
-                gone = peer.closed() or peer.pid in dead or not pid_exists(peer.pid)
+                gone = peer.closed() or pid in exited or pid not in self._pidfds and not pid_alive(pid)
             except ValueError:
                 gone = True
             if gone:
-                del self.peers[key]
-                self.on_drop(peer)
-                peer.close()
+                self._drop(key)
         self._inst[_INST_CLIENTS] = len(self.peers)
 
     def close(self) -> None:
-        for peer in self.peers.values():
-            self.on_drop(peer)
-            peer.close()
-        self.peers.clear()
+        for key in list(self.peers):
+            self._drop(key)
         if self._spare >= 0:
             os.close(self._spare)
             self._spare = -1
