@@ -1194,8 +1194,8 @@ def test_a_withdrawn_request_datagram_cannot_lose_the_next_request(start_runtime
 def test_a_killed_client_nobody_reaps_is_dropped_while_requests_keep_coming(start_runtime):
     """A client process killed and not reaped by its parent (a zombie) kept its slots mapped, memory and
     all, for as long as requests kept coming: under load the clean-up told zombies from live processes
-    only at a quiet poll interval (helper-51: 82 slots and 320 MB kept). Now a few processes are told
-    apart at each clean-up, in turn."""
+    only at a quiet poll interval (helper-51: 82 slots and 320 MB kept). Now each client process's
+    pidfd says it exited, at every clean-up."""
     rt = start_runtime(cpu_model("m", models.affine, max_batch_size=4))
     clients = lambda: int(rt.ctls["m"].instances["clients"][0])   # noqa: E731
     code = ("import sys, threading, numpy as np\n"
