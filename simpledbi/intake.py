@@ -20,7 +20,7 @@ from .layout import (CLAIM_OFF, FWD_MAGIC, FWD_PREFIX, HELD, INSTANCE, MAX_DATAG
                      PUB_SEQ_OFF, REQ_MAGIC, REQ_PREFIX, ST_BAD_REQUEST, ST_FULL, WAKE_MAGIC, ControlBlock,
                      words)
 from .shm import pid_alive
-from .slots import BadRequest, Layout, Limits, Peer, Request, check_size, parse_layout
+from .slots import BadRequest, Layout, Limits, Peer, Request, check_size, parse_layout, reported_by
 
 logger = logging.getLogger(__name__)
 
@@ -152,9 +152,8 @@ class Intake:
         if peer is None:
             return None
         if refused > 0:   # calls its client refused itself since (NOTE [overload]): counted here
-            self.count("shed_deadline", refused & 0xFFFF)
-            self.count("shed_queue", refused >> 16 & 0xFFFF)
-            self.count("withdrawn", refused >> 32 & 0xFFFF)
+            for name, n in zip(("shed_deadline", "shed_queue", "withdrawn"), reported_by(refused)):
+                self.count(name, n)
         if not peer.claim(seq, self.row, self.pid):
             self.count("withdrawn")   # taken back before I got to it (or a datagram sent again)
             return None
