@@ -86,8 +86,10 @@ class Sender:
 
     @property
     def waiting(self) -> bool:
-        """Are datagrams waiting for room? (A new call's goes after them: in order.)"""
-        return bool(self._queue)
+        """Are datagrams waiting for room, queued or held by the kernel in the send in progress? (A
+        new call's goes after them: in order.)"""
+        with self._lock:
+            return bool(self._queue) or bool(self._sending)
 
     def queue(self, msg: bytes, loop: asyncio.AbstractEventLoop) -> Queued:
         item = Queued(msg, loop)

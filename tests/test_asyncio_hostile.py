@@ -69,9 +69,16 @@ async def _hold_and_fill(m, gate, n=40):
     blocker = asyncio.ensure_future(m.forward_async(_x(models.GATE)))
     await asyncio.to_thread(gate.wait_entered)
     fillers = [asyncio.ensure_future(m.forward_async(_x(k), timeout=60)) for k in range(n)]
-    for _ in range(3):
-        await asyncio.sleep(0)
-    assert m._h._sender is not None and m._h._sender.waiting
+    await asyncio.sleep(0)   # each filler runs to its first await: sent, or queued in the sender
+    sender = m._h._sender
+    assert sender is not None and sender.waiting
+
+    def in_the_kernel():   # the sender thread took them all into its sendmmsg, which waits for room:
+        t = time.monotonic()   # a call queued from now on waits in the queue for a poll interval
+        while sender._queue or not sender._sending:
+            assert time.monotonic() - t < 30, "the sender thread never took the queued datagrams"
+            time.sleep(0.001)
+    await asyncio.to_thread(in_the_kernel)
     return blocker, fillers
 
 
@@ -82,7 +89,9 @@ def test_a_timeout_while_waiting_for_room_is_a_timeout_not_a_stopped_runtime(sta
     socket gone, raised RuntimeStopped("the runtime is gone") and marked the handle gone."""
     rt = start_runtime(cpu_model("g", functools.partial(models.gated, gate.name), max_batch_size=1,
                                  wait_time=0.0))
-    m = SharedModel("g", (1, 3), namespace=rt.namespace)
+    # the sender's sendmmsg waits a poll interval for room: the timed-out call's datagram stays
+    # queued behind it (not sent: "queue stayed full") only if that is longer than its timeout
+    m = SharedModel("g", (1, 3), namespace=rt.namespace, poll_interval=10)
 
     async def main():
         blocker, fillers = await _hold_and_fill(m, gate)
