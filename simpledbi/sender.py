@@ -86,10 +86,11 @@ class Sender:
 
     @property
     def waiting(self) -> bool:
-        """Are datagrams waiting for room, queued or held by the kernel in the send in progress? (A
-        new call's goes after them: in order.)"""
-        with self._lock:
-            return bool(self._queue) or bool(self._sending)
+        """Are datagrams queued for room? (A new call's goes after them: in order. Those the kernel
+        holds in the send in progress are not counted: a call that finds room goes in at once,
+        as a thread waiting in the kernel would: funnelling forward() calls through one thread
+        cost a 64-thread client 30-50% of its calls/s, docs/BENCHMARKS.md, run 49.)"""
+        return bool(self._queue)
 
     def queue(self, msg: bytes, loop: asyncio.AbstractEventLoop) -> Queued:
         item = Queued(msg, loop)

@@ -71,7 +71,7 @@ async def _hold_and_fill(m, gate, n=40):
     fillers = [asyncio.ensure_future(m.forward_async(_x(k), timeout=60)) for k in range(n)]
     await asyncio.sleep(0)   # each filler runs to its first await: sent, or queued in the sender
     sender = m._h._sender
-    assert sender is not None and sender.waiting
+    assert sender is not None   # (made by the first filler that found the queue full)
 
     def in_the_kernel():   # the sender thread took them all into its sendmmsg, which waits for room:
         t = time.monotonic()   # a call queued from now on waits in the queue for a poll interval
