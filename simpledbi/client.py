@@ -56,6 +56,15 @@ _ASYNC_WATCHERS = True
 #: between 64 and 4 calls in flight every 0.5 s (H200: p99 6.6 vs 7.6 ms, same calls/s;
 #: experiments/slot_churn.py). Idle slots never cost another client its place: Intake._make_room.
 _IDLE_KEPT = 16
+#: SO_SNDBUF of a handle's sockets: 1 asks for the kernel's minimum (4608 bytes), room for about
+#: 4 datagrams. The kernel charges a datagram to its sender's socket until a model process takes it
+#: off the model's queue, and a send past the buffer waits on that socket (or fails at once,
+#: MSG_DONTWAIT). So a handle holds at most ~4 of the ~11 places in the model's queue however many
+#: threads call it, and its other threads wait on its own socket. With the default (212 KB) they all
+#: waited in the line for the model's queue, where the kernel hands out places thread by thread: a
+#: one-thread client beside a 64-thread one got 40-44 calls/s, now 78-80 (93 alone; CPU echo, 2
+#: model processes, docs/BENCHMARKS.md run 49), and 64 threads of one process lost nothing.
+_SEND_BUFFER = 1
 #: Threads the async waiters may use at most (each waits for one call in flight; threads are
 #: made only when every earlier one is busy, so a process has as many as its peak concurrency).
 _ASYNC_MAX_THREADS = 4096
@@ -537,6 +546,18 @@ class _Unattached:
         pass
 
 
+def _connect(path: str) -> socket.socket:
+    """A datagram socket connected to the model's request socket at ``path`` (_SEND_BUFFER)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SEND_BUFFER)
+        sock.connect(path)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
 def _overloaded(name: str, why: Refusal, timeout: Optional[float], t_call: float,
                 max_queue: Optional[int] = None, waiting: Optional[int] = None) -> Overloaded:
     """The ``Overloaded`` a refused call raises (refused by a model process, or by its client on
@@ -681,11 +702,9 @@ class _Handles:
             if ctl.hdr["sock_ino"] and ino != ctl.hdr["sock_ino"]:   # (0: the runtime has not bound it yet)
                 raise RuntimeError(f"model {name!r}: {path} is not the runtime's request socket "
                                    f"(something was bound at its path since)")
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
             try:
-                sock.connect(path)
+                sock = _connect(path)
             except OSError as e:
-                sock.close()
                 raise RuntimeError(f"model {name!r}: cannot send to its request socket {path}: "
                                    f"{e.strerror}") from None
         except BaseException:
@@ -859,6 +878,7 @@ class _Handles:
 
     def _new_pool(self) -> None:
         """This process's empty slot pool (in a forked child too: the parent's calls use its slots)."""
+        forked = hasattr(self, "pid")
         self.pid = os.getpid()
         self.lock = threading.Lock()
         self.idle: List[ClientSlot] = []
@@ -870,6 +890,14 @@ class _Handles:
         self.refused = [0, 0, 0]
         if getattr(self, "_sender", None) is not None:   # (a forked child: its parent's)
             self._sender.drop_inherited()
+        if forked:   # a forked child: a socket of its own, not a share of its parent's send
+            try:         # buffer (_SEND_BUFFER) and send timeout
+                sock = _connect(self.sock.getpeername())
+            except OSError:
+                pass   # (the runtime is gone: the inherited socket says so at the first send)
+            else:
+                self.sock.close()
+                self.sock = sock
         self._sender: Optional[sender.Sender] = None   # forward_async's, made at its first full queue
 
     def release(self) -> None:
@@ -895,13 +923,7 @@ class _Handles:
         a socket of its own (its send timeout is its own)."""
         with self.lock:
             if self._sender is None:
-                sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
-                try:
-                    sock.connect(self.sock.getpeername())
-                except OSError:
-                    sock.close()
-                    raise
-                self._sender = sender.Sender(sock, look, self._lost)
+                self._sender = sender.Sender(_connect(self.sock.getpeername()), look, self._lost)
             return self._sender
 
     def _lost(self, msgs: List[bytes]) -> None:

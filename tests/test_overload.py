@@ -294,6 +294,70 @@ def test_a_client_with_many_threads_does_not_crowd_out_the_others(start_runtime)
 
 
 
+@pytest.mark.timeout(180)
+def test_a_client_of_many_threads_holds_few_places_in_the_models_queue(start_runtime, gate):
+    """With peers, a model process takes only its next batch off the socket, so the order of the
+    model's queue (and of the line of senders waiting for room in it) is the order of service.
+    Every thread of a flooding process waited in that line, and a one-call client came after all
+    of them. Now a handle's socket has a small send buffer (client._SEND_BUFFER): the kernel keeps
+    a few of its datagrams in the queue and the line at most, its other threads wait on its own
+    socket, and the one-call client's request goes in after those few."""
+    qlen = int(open("/proc/sys/net/unix/max_dgram_qlen").read())
+    if qlen > 64:
+        pytest.skip(f"net.unix.max_dgram_qlen is {qlen}: a flood that fills it takes too long here")
+    rt = start_runtime(cpu_model("m", functools.partial(models.faulty, gate.name, 0.02), max_batch_size=1,
+                                 model_num=2, wait_time=0.0))
+    here, there = mp.get_context("spawn").Pipe()
+    other = mp.get_context("spawn").Process(target=workers.one_call_client, args=(rt.namespace, "m", there))
+    other.start()
+    try:
+        assert here.poll(60) and here.recv() == "ready"
+        m = SharedModel("m", max_shape=(1, 4), namespace=rt.namespace)
+        held = [_call_in_thread(m, np.full((1, 4), models.GATE, np.float32)) for _ in range(2)]
+        gate.wait_entered()
+        gate.wait_entered()   # both model processes are busy: nothing is taken off the socket
+        done, lock = [], threading.Lock()
+
+        def flood(k):
+            x = np.full((1, 4), k, np.float32)
+            np.testing.assert_array_equal(m.forward(x, timeout=60), x * 2 + 1)
+            with lock:
+                done.append(time.monotonic())
+
+        n = qlen + 31
+        threads = [threading.Thread(target=flood, args=(k,)) for k in range(n)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 30
+        while len(workers.waiting_to_send(os.getpid())) < n - qlen - 1:   # the rest wait to send
+            if time.monotonic() > deadline:
+                gate.open()
+                gate.open()
+                if not workers.waiting_to_send(os.getpid()):
+                    pytest.skip("/proc/<pid>/task/<tid>/wchan does not name kernel waits here")
+                raise AssertionError("the flood never waited to send")
+            threading.Event().wait(0.01)
+        here.send("go")
+        assert here.poll(60) and here.recv() == "sent"   # (or waits in the kernel to send it)
+        gate.open()
+        gate.open()
+        assert here.poll(60)
+        answered_at = here.recv()
+        for t in threads:
+            t.join(60)
+        for t, out in held:
+            t.join(60)
+            assert "error" not in out, out
+        assert len(done) == n
+        before = sum(1 for t in done if t < answered_at)
+        # A model process takes one at a time, two at once, 20 ms each: the order of answers is the
+        # order in the queue, give or take a pair. Measured: 6-7 of 41 before it; 40 with the
+        # default send buffer.
+        assert before <= n - 20, f"{before} of the flood's {n} calls were answered before the other's one"
+    finally:
+        other.join(60)
+        assert other.exitcode == 0
+
 @pytest.mark.timeout(120)
 def test_a_request_handed_back_by_a_process_that_died_is_still_answered(start_runtime):
     """A process holding more than its next batch while a peer is idle hands the rest back

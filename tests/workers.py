@@ -2,6 +2,7 @@
 on a 2-core machine would cost more than the tests themselves."""
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -77,3 +78,46 @@ def sigterm_handler_worker(rank):
     """What SIGTERM does in this worker (a forked one inherited Run's handler, which raised)."""
     import signal
     return repr(signal.getsignal(signal.SIGTERM))
+
+
+def waiting_to_send(pid):
+    """Threads of process ``pid`` asleep in the kernel in a send: for room in a Unix socket's queue,
+    or in their own socket's send buffer (a sleeping thread's wchan names the kernel function)."""
+    out = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/wchan") as f:
+                if f.read().strip() in ("unix_wait_for_peer", "sock_alloc_send_pskb", "sock_wait_for_wmem"):
+                    out.append(tid)
+        except OSError:
+            pass
+    return out
+
+
+def one_call_client(namespace, name, conn):
+    """Attaches (one call to warm up); on "go" makes one call, says "sent" once its datagram is in
+    the model's queue (or its thread waits in the kernel to send it), and sends back when the call
+    returned (time.monotonic, comparable across processes)."""
+    model = SharedModel(name, max_shape=(1, 4), namespace=namespace)
+    x = np.full((1, 4), 7, np.float32)
+    model.forward(x, timeout=60)
+    conn.send("ready")
+    conn.recv()   # go
+    out = {}
+
+    def call():
+        out["y"] = model.forward(x, timeout=60)
+        out["t"] = time.monotonic()
+    go = time.monotonic()
+    t = threading.Thread(target=call)
+    t.start()
+    deadline = go + 30
+    while not (any(s.published > go and s.sent_seq == s.seq for s in list(model._h.busy))
+               or waiting_to_send(os.getpid())):
+        assert time.monotonic() < deadline, "the call was never sent"
+        threading.Event().wait(0.001)   # polls a condition of this process
+    conn.send("sent")
+    t.join(60)
+    np.testing.assert_array_equal(out["y"], x * 2 + 1)
+    conn.send(out["t"])
+    model.close()
