@@ -69,12 +69,15 @@ class Admission:
                 self.refuse([req], why)
                 return False
         if self._full() and not self._drop_abandoned():
+            # its expected wait, what the queue ahead would take: Overloaded.retry_after (0 gave
+            # callers that retry after it 1 ms, 25 refusals an answer: helper-55)
+            full = Refusal("queue", self.rate.wait(self.in_progress + self.backlog.rows))
             victim = self.backlog.lowest() if self.backlog else None
             if victim is None or victim.priority >= req.priority:
-                self.refuse([req], Refusal("queue"))
+                self.refuse([req], full)
                 return False
             self.backlog.remove(victim)
-            self.refuse([victim], Refusal("queue"))
+            self.refuse([victim], full)
         if self.priorities_seen:
             self.arrivals.add(req.priority, req.rows, req.t_seen)
         return True

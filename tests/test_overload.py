@@ -173,6 +173,35 @@ def test_max_queue_refuses_the_newcomer_or_the_lowest_it_outranks(start_runtime,
 
 
 @pytest.mark.timeout(120)
+def test_a_model_process_refusing_on_a_full_queue_says_how_long_it_would_wait(start_runtime, gate,
+                                                                               monkeypatch):
+    """Overloaded.expected_wait of a refusal by max_queue made in a model process is what the queue
+    ahead would take (it was 0: callers retrying after retry_after came back within 1 ms, 25
+    refusals an answer, helper-55). The client's own check is switched off so that the model
+    process decides."""
+    from simpledbi import client
+    rt = start_runtime(cpu_model("m", functools.partial(models.sleepy, 0.05, gate.name), max_batch_size=1,
+                                 max_queue=1))
+    m = SharedModel("m", max_shape=(1, 4), namespace=rt.namespace)
+    for _ in range(3):
+        m.forward(X)   # it learns how long a batch takes
+    monkeypatch.setattr(client._Handles, "refuse", lambda self, slot, deadline: None)
+    first = _call_in_thread(m, np.full((1, 4), models.GATE, np.float32))
+    gate.wait_entered()
+    calls = []
+    for k in range(3):   # the next batch's, one waiting (the queue is full), one refused
+        calls.append(_call_in_thread(m, X * k, timeout=30))
+        # taken (held counts the gated one too) or refused
+        _wait_for(lambda: _held(m) - 1 + sum("error" in out for _, out in calls) == len(calls))
+    gate.open()
+    for t, out in (first, *calls):
+        t.join(60)
+    refused = [out["error"] for _, out in calls if "error" in out]
+    assert len(refused) == 1 and isinstance(refused[0], Overloaded), calls
+    e = refused[0]
+    assert e.reason == "queue" and e.expected_wait >= 0.05 and e.retry_after >= 0.05, e.expected_wait
+
+@pytest.mark.timeout(120)
 def test_an_async_call_refused_names_its_own_timeout(start_runtime, gate):
     # forward_async passed what was left of its timeout when a pool thread took the call: the
     # error said "past its timeout of 17.5 ms" for timeout=0.02, and Overloaded.timeout was that
@@ -199,6 +228,7 @@ def test_an_async_call_refused_names_its_own_timeout(start_runtime, gate):
     e = out.get("e")
     assert isinstance(e, Overloaded) and e.reason == "queue", out
     assert e.timeout == 30.0 and "ModelConfig.max_queue is 0" in str(e), (e, e.timeout)
+
 
 
 @pytest.mark.timeout(120)
