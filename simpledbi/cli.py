@@ -253,8 +253,10 @@ def _serve(args: argparse.Namespace) -> int:
     def on_signal(signum, frame):
         signals.append(signum)
         # still starting: Runtime.start cleans up and re-raises; draining: a second Ctrl-C stops at once
-        # (it did nothing: a drain waits up to --drain-timeout, helper-52)
-        if not started.is_set() or draining.is_set():
+        # (it did nothing: a drain waits up to --drain-timeout, helper-52). Not a second SIGTERM:
+        # `timeout` sends one to the process and then one to its group, and that skipped the drain
+        # (helper-55); SIGKILL stops at once.
+        if not started.is_set() or draining.is_set() and signum == signal.SIGINT:
             raise KeyboardInterrupt
         stop.set()
 
