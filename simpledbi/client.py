@@ -7,6 +7,7 @@ idle ones (plus those owed a late answer after a timeout, lent again once it has
 """
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import contextvars
 import collections
@@ -41,6 +42,8 @@ from .shm import NAMESPACE_RE, SHM_DIR, pid_alive
 from .slots import ClientSlot, _dumpable, unsent_datagram
 
 logger = logging.getLogger(__name__)
+_running_loop = asyncio._get_running_loop   # (C, ~50 ns: None outside a coroutine or callback)
+_warned_in_loop: set = set()   # models whose forward() was called inside a running loop (warned once)
 
 ENV_NAMESPACE = "SIMPLEDBI_NAMESPACE"
 _live_clients: "weakref.WeakSet[SharedModel]" = weakref.WeakSet()
@@ -276,6 +279,11 @@ class SharedModel(Inputs, LoopCalls):
         and never runs. ``priority`` (default: the handle's): higher runs first and is refused
         last.
         """
+        if _running_loop() is not None and self.name not in _warned_in_loop:
+            _warned_in_loop.add(self.name)   # (once per model name: a warning per call would flood)
+            logger.warning("SharedModel(%r).forward() was called inside a running asyncio event loop: "
+                           "it blocks the loop until the answer comes; use `await forward_async(...)`",
+                           self.name)
         return self._forward(inputs, named, timeout, priority)
 
     __call__ = forward

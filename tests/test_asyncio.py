@@ -415,3 +415,23 @@ def test_calls_cancelled_while_the_sender_held_their_datagrams_are_counted_withd
     ran = s["requests"] - before["requests"] - 2
     assert ran + s["withdrawn"] - before["withdrawn"] == n, (ran, s)
     m.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_blocking_forward_inside_a_coroutine_warns_once(start_runtime, caplog):
+    """forward() inside a running event loop blocks the loop until the answer comes, silently
+    (helper-55: a 195 ms stall of every other task); it now says so, once per model."""
+    import logging
+    rt = start_runtime(cpu_model("a", models.affine, max_batch_size=4))
+    m = SharedModel("a", (1, 3), namespace=rt.namespace)
+    x = np.ones((1, 3), np.float32)
+    np.testing.assert_array_equal(m.forward(x), x * 2 + 1)   # outside a loop: no warning
+
+    async def main():
+        for _ in range(3):
+            np.testing.assert_array_equal(m.forward(x), x * 2 + 1)
+    with caplog.at_level(logging.WARNING, logger="simpledbi"):
+        asyncio.run(main())
+    said = [r.getMessage() for r in caplog.records if "inside a running asyncio event loop" in r.getMessage()]
+    assert len(said) == 1 and "await forward_async" in said[0], said
+    m.close()
