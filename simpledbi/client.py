@@ -44,6 +44,7 @@ from .slots import ClientSlot, _dumpable, unsent_datagram
 logger = logging.getLogger(__name__)
 _running_loop = asyncio._get_running_loop   # (C, ~50 ns: None outside a coroutine or callback)
 _warned_in_loop: set = set()   # models whose forward() was called inside a running loop (warned once)
+_told_gone: set = set()        # namespaces of named runtimes whose stop was logged (once each)
 
 ENV_NAMESPACE = "SIMPLEDBI_NAMESPACE"
 _live_clients: "weakref.WeakSet[SharedModel]" = weakref.WeakSet()
@@ -738,6 +739,13 @@ class _Handles:
                 # (not "yet": a serve that is draining has unregistered too, helper-52)
                 logger.warning("no simpledbi runtime named %r is running now (not started, or stopping); "
                                "waiting up to %.3g s more for one (%s)", model.runtime, deadline - time.monotonic(),
+                               f"connect_timeout={model.connect_timeout:g} s" if call_timeout is None else
+                               f"the call's timeout, {call_timeout:g} s")
+            elif avoid is not None and (reg is None or reg.namespace == avoid) and avoid not in _told_gone \
+                    and deadline > time.monotonic():
+                _told_gone.add(avoid)   # (once, not once per waiting thread: helper-55 saw 30 s of silence)
+                logger.warning("simpledbi runtime %r stopped; calls wait up to %.3g s for a runtime of that "
+                               "name to come back (%s)", model.runtime, deadline - time.monotonic(),
                                f"connect_timeout={model.connect_timeout:g} s" if call_timeout is None else
                                f"the call's timeout, {call_timeout:g} s")
             if reg is not None and reg.namespace != avoid:

@@ -841,3 +841,21 @@ def test_serve_refuses_a_name_that_is_taken_before_it_logs_starting():
     assert proc.stderr.strip().splitlines() == [
         f"simpledbi serve: a simpledbi runtime named '{name}' is already running (pid {os.getpid()}); "
         f"stop it or choose another name"], proc.stderr
+
+
+@pytest.mark.timeout(120)
+def test_a_call_waiting_for_a_stopped_runtime_to_come_back_says_so_once(caplog):
+    """A call of a handle attached by name whose runtime stopped waits for a successor up to its
+    connect_timeout; it did so in silence (helper-55: 30 s, then RuntimeUnavailable). It now logs
+    one warning for that runtime, not one per call."""
+    import logging
+    name = _name()
+    client = _attached_to_a_runtime_that_stopped(name)
+    x = np.ones((1, 3), np.float32)
+    with caplog.at_level(logging.WARNING, logger="simpledbi"):
+        for _ in range(2):
+            with pytest.raises(simpledbi.RuntimeUnavailable, match="came back meanwhile"):
+                client.forward(x, timeout=0.3)
+    said = [r.getMessage() for r in caplog.records if "stopped; calls wait up to" in r.getMessage()]
+    assert len(said) == 1 and repr(name) in said[0], said
+    client.close()
