@@ -189,12 +189,15 @@ def test_stats_count_an_isolated_batch_before_any_of_its_callers_returns(start_r
     rt = start_runtime(cpu_model("faulty", functools.partial(models.faulty, gate.name, 0.05),
                                  max_batch_size=8, wait_time=1.0))
     model = SharedModel("faulty", max_shape=(1, 3), namespace=rt.namespace)
+    # (two handles: one keeps at most ~6 requests in the model's queue, client._SEND_BUFFER)
+    other = SharedModel("faulty", max_shape=(1, 3), namespace=rt.namespace)
     before = model.stats()
     seen, outcomes = {}, {}
 
     def call(i, value):
         try:
-            outcomes[i] = model.forward(np.full((1, 3), value, np.float32), timeout=60)
+            outcomes[i] = (other if i in (2, 4, 6) else model).forward(np.full((1, 3), value, np.float32),
+                                                                      timeout=60)
         except ModelError as e:
             outcomes[i] = e
         seen[i] = model.stats()   # at once, as the call returns
@@ -206,7 +209,7 @@ def test_stats_count_an_isolated_batch_before_any_of_its_callers_returns(start_r
                for i in range(8)]
     for t in threads:
         t.start()
-    wait_queued(model, n=8)   # one batch of eight (max_batch_size=8), poisoned by request 7
+    wait_queued(model, other, n=8)   # one batch of eight (max_batch_size=8), poisoned by request 7
     gate.open()
     for t in threads + [blocker]:
         t.join(60)
@@ -225,6 +228,7 @@ def test_stats_count_an_isolated_batch_before_any_of_its_callers_returns(start_r
     assert (grew(after, "requests"), grew(after, "batches"), grew(after, "errors")) == (9, 2, 1), after
     assert after["mean_batch_size"] == (before["rows"] + 9) / (before["batches"] + 2)
     model.close()
+    other.close()
 
 
 def test_timeout_before_any_model_process_took_the_request(start_runtime, gate):
