@@ -60,14 +60,17 @@ _ASYNC_WATCHERS = True
 #: between 64 and 4 calls in flight every 0.5 s (H200: p99 6.6 vs 7.6 ms, same calls/s;
 #: experiments/slot_churn.py). Idle slots never cost another client its place: Intake._make_room.
 _IDLE_KEPT = 16
-#: SO_SNDBUF of a handle's sockets: 1 asks for the kernel's minimum (4608 bytes), room for about
-#: 4 datagrams. The kernel charges a datagram to its sender's socket until a model process takes it
-#: off the model's queue, and a send past the buffer waits on that socket (or fails at once,
-#: MSG_DONTWAIT). So a handle holds at most ~4 of the ~11 places in the model's queue however many
-#: threads call it, and its other threads wait on its own socket. With the default (212 KB) they all
-#: waited in the line for the model's queue, where the kernel hands out places thread by thread: a
-#: one-thread client beside a 64-thread one got 40-44 calls/s, now 78-80 (93 alone; CPU echo, 2
-#: model processes, docs/BENCHMARKS.md run 49), and 64 threads of one process lost nothing.
+#: SO_SNDBUF of a process's socket to a model (shared by its handles of that model: _shared_socket):
+#: 1 asks for the kernel's minimum (4608 bytes), room for about 6 request datagrams. The kernel
+#: charges a datagram to its sender's socket until a model process takes it off the model's queue,
+#: and a send past the buffer waits on that socket (or fails at once, MSG_DONTWAIT). So a client
+#: process holds at most ~6 of the ~11 places in the model's queue however many threads and
+#: handles call it, and the rest of its calls wait on its own socket. With the default (212 KB)
+#: they all waited in the line for the model's queue, where the kernel hands out places thread
+#: by thread: a one-thread client beside a 64-thread one got 40-44 calls/s, now 76-80 (93 alone;
+#: CPU echo, 2 model processes, docs/BENCHMARKS.md run 49). Its cost: -4% for one process that
+#: alone keeps a model busy from 64 threads (same run); buffers for 9 or 11 datagrams cost nothing
+#: there but left the one-thread clients 62-67.
 _SEND_BUFFER = 1
 #: Threads the async waiters may use at most (each waits for one call in flight; threads are
 #: made only when every earlier one is busy, so a process has as many as its peak concurrency).
@@ -94,11 +97,18 @@ def _after_fork_in_child() -> None:
     """A forked child runs only the thread that forked: a lock another thread held at that moment
     would stay held forever, and the slots in the pools are the parent's. So every handle gets a
     fresh pool and locks (its slots are made anew on the child's first call)."""
-    global _async_pool, _async_pool_lock
+    global _async_pool, _async_pool_lock, _sockets_lock
     _async_pool, _async_pool_lock = None, threading.Lock()   # (the parent's threads are not here)
+    _sockets_lock = threading.RLock()
+    inherited = [entry[0] for entry in _sockets.values()]   # the parent's: each handle gets this
+    _sockets.clear()                                         # process's own (_new_pool)
     for client in list(_live_clients):
         client._attach_lock = threading.Lock()
         client._h._new_pool()
+    in_use = {id(client._h.sock) for client in list(_live_clients)}
+    for sock in inherited:
+        if id(sock) not in in_use:   # (kept where connecting failed: the runtime is gone)
+            sock.close()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
@@ -555,6 +565,37 @@ class _Unattached:
         pass
 
 
+#: This process's sockets to models' request sockets, shared by its handles: (pid, path) ->
+#: [socket, handles using it]. (An RLock: a handle's finalizer may run in a garbage collection
+#: that starts while this thread holds it.)
+_sockets: Dict[Tuple[int, str], list] = {}
+_sockets_lock = threading.RLock()
+
+
+def _shared_socket(path: str) -> socket.socket:
+    """This process's socket to the model's request socket at ``path``, one more handle using it."""
+    key = (os.getpid(), path)
+    with _sockets_lock:
+        entry = _sockets.get(key)
+        if entry is None:
+            entry = _sockets[key] = [_connect(path), 0]
+        entry[1] += 1
+        return entry[0]
+
+
+def _unshare_socket(path: str, sock: socket.socket) -> None:
+    """A handle no longer uses ``sock``: closed with the last (or at once: not this process's share)."""
+    with _sockets_lock:
+        key = (os.getpid(), path)
+        entry = _sockets.get(key)
+        if entry is not None and entry[0] is sock:
+            entry[1] -= 1
+            if entry[1] > 0:
+                return
+            del _sockets[key]
+    sock.close()
+
+
 def _connect(path: str) -> socket.socket:
     """A datagram socket connected to the model's request socket at ``path`` (_SEND_BUFFER)."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
@@ -674,6 +715,7 @@ class _Handles:
 
     def __init__(self, namespace: str, name: str, ctl: ControlBlock, sock: socket.socket):
         self.namespace, self.name = namespace, name
+        self.path = socket_path(namespace, name)
         self.ctl, self.sock = ctl, sock
         self._new_pool()
         self.closed, self.gone = False, False   # gone: its runtime's main process was seen dead
@@ -712,7 +754,7 @@ class _Handles:
                 raise RuntimeError(f"model {name!r}: {path} is not the runtime's request socket "
                                    f"(something was bound at its path since)")
             try:
-                sock = _connect(path)
+                sock = _shared_socket(path)
             except OSError as e:
                 raise RuntimeError(f"model {name!r}: cannot send to its request socket {path}: "
                                    f"{e.strerror}") from None
@@ -906,14 +948,11 @@ class _Handles:
         self.refused = [0, 0, 0]
         if getattr(self, "_sender", None) is not None:   # (a forked child: its parent's)
             self._sender.drop_inherited()
-        if forked:   # a forked child: a socket of its own, not a share of its parent's send
-            try:         # buffer (_SEND_BUFFER) and send timeout
-                sock = _connect(self.sock.getpeername())
+        if forked:   # a forked child: its own socket, not a share of its parent's send buffer
+            try:     # (_SEND_BUFFER) and send timeout
+                self.sock = _shared_socket(self.path)
             except OSError:
                 pass   # (the runtime is gone: the inherited socket says so at the first send)
-            else:
-                self.sock.close()
-                self.sock = sock
         self._sender: Optional[sender.Sender] = None   # forward_async's, made at its first full queue
 
     def release(self) -> None:
@@ -939,7 +978,7 @@ class _Handles:
         a socket of its own (its send timeout is its own)."""
         with self.lock:
             if self._sender is None:
-                self._sender = sender.Sender(_connect(self.sock.getpeername()), look, self._lost)
+                self._sender = sender.Sender(_connect(self.path), look, self._lost)
             return self._sender
 
     def _lost(self, msgs: List[bytes]) -> None:
@@ -952,5 +991,5 @@ class _Handles:
     def _close_shared(self) -> None:
         if self._sender is not None:
             self._sender.close()
-        self.sock.close()
+        _unshare_socket(self.path, self.sock)
         self.ctl.close()

@@ -325,13 +325,15 @@ def test_a_client_with_many_threads_does_not_crowd_out_the_others(start_runtime)
 
 
 @pytest.mark.timeout(180)
-def test_a_client_of_many_threads_holds_few_places_in_the_models_queue(start_runtime, gate):
+@pytest.mark.parametrize("handles", [1, 4])
+def test_a_client_of_many_threads_holds_few_places_in_the_models_queue(start_runtime, gate, handles):
     """With peers, a model process takes only its next batch off the socket, so the order of the
     model's queue (and of the line of senders waiting for room in it) is the order of service.
     Every thread of a flooding process waited in that line, and a one-call client came after all
-    of them. Now a handle's socket has a small send buffer (client._SEND_BUFFER): the kernel keeps
-    a few of its datagrams in the queue and the line at most, its other threads wait on its own
-    socket, and the one-call client's request goes in after those few."""
+    of them. Now a process's socket to the model (shared by its handles) has a small send buffer
+    (client._SEND_BUFFER): the kernel keeps a few of its datagrams in the queue and the line at
+    most, its other threads wait on its own socket, and the one-call client's request goes in
+    after those few -- however many handles the flood uses (``handles``)."""
     qlen = int(open("/proc/sys/net/unix/max_dgram_qlen").read())
     if qlen > 64:
         pytest.skip(f"net.unix.max_dgram_qlen is {qlen}: a flood that fills it takes too long here")
@@ -342,7 +344,8 @@ def test_a_client_of_many_threads_holds_few_places_in_the_models_queue(start_run
     other.start()
     try:
         assert here.poll(60) and here.recv() == "ready"
-        m = SharedModel("m", max_shape=(1, 4), namespace=rt.namespace)
+        ms = [SharedModel("m", max_shape=(1, 4), namespace=rt.namespace) for _ in range(handles)]
+        m = ms[0]
         held = [_call_in_thread(m, np.full((1, 4), models.GATE, np.float32)) for _ in range(2)]
         gate.wait_entered()
         gate.wait_entered()   # both model processes are busy: nothing is taken off the socket
@@ -350,7 +353,7 @@ def test_a_client_of_many_threads_holds_few_places_in_the_models_queue(start_run
 
         def flood(k):
             x = np.full((1, 4), k, np.float32)
-            np.testing.assert_array_equal(m.forward(x, timeout=60), x * 2 + 1)
+            np.testing.assert_array_equal(ms[k % handles].forward(x, timeout=60), x * 2 + 1)
             with lock:
                 done.append(time.monotonic())
 
@@ -384,6 +387,8 @@ def test_a_client_of_many_threads_holds_few_places_in_the_models_queue(start_run
         # order in the queue, give or take a pair. Measured: 6-7 of 41 before it; 40 with the
         # default send buffer.
         assert before <= n - 20, f"{before} of the flood's {n} calls were answered before the other's one"
+        for h in ms:
+            h.close()
     finally:
         other.join(60)
         assert other.exitcode == 0
