@@ -710,8 +710,9 @@ _TIMING_KEYS = ("published", "batch_closed", "done", "woken", "batch_rows")
 
 
 class _Handles:
-    """What a SharedModel holds: the model's control block (read-only), a socket connected to its
-    request socket, and the slot pool -- apart from the SharedModel, so its finalizer can reach them."""
+    """What a SharedModel holds: the model's control block (read-only), this process's socket to its
+    request socket (shared by the process's handles of it: _shared_socket), and the slot pool --
+    apart from the SharedModel, so its finalizer can reach them."""
 
     def __init__(self, namespace: str, name: str, ctl: ControlBlock, sock: socket.socket):
         self.namespace, self.name = namespace, name
@@ -854,8 +855,9 @@ class _Handles:
 
     def set_send_timeout(self, seconds: float) -> None:
         """How long a blocking send waits for room in the model's queue (a kernel wait). Set before
-        every such wait, never cached: the socket's setting is shared with this handle's other
-        threads and forked children (a child's 20 ms left its parent looping every 20 ms)."""
+        every such wait, never cached: the socket's setting is shared with this process's other
+        threads and handles of the model (a forked child's 20 ms, when children shared it too,
+        left its parent looping every 20 ms)."""
         seconds = max(seconds, 1e-6)
         sec = int(seconds)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
