@@ -186,49 +186,49 @@ def test_stats_count_an_isolated_batch_before_any_of_its_callers_returns(start_r
     # requests and batches only once the bisection was over: a caller answered early read stats()
     # without its own call (batches 0, or 4 requests of 8) for as long as the retries still ran.
     # Each retry here takes 50 ms, so a caller answered early reads stats() while they run.
+    # A batch of five: a client process keeps at most ~6 requests in the model's queue
+    # (client._SEND_BUFFER), and the test queues them all while the model process is held.
+    n = 5
     rt = start_runtime(cpu_model("faulty", functools.partial(models.faulty, gate.name, 0.05),
-                                 max_batch_size=8, wait_time=1.0))
+                                 max_batch_size=n, wait_time=1.0))
     model = SharedModel("faulty", max_shape=(1, 3), namespace=rt.namespace)
-    # (two handles: one keeps at most ~6 requests in the model's queue, client._SEND_BUFFER)
-    other = SharedModel("faulty", max_shape=(1, 3), namespace=rt.namespace)
     before = model.stats()
     seen, outcomes = {}, {}
 
     def call(i, value):
         try:
-            outcomes[i] = (other if i in (2, 4, 6) else model).forward(np.full((1, 3), value, np.float32),
-                                                                      timeout=60)
+            outcomes[i] = model.forward(np.full((1, 3), value, np.float32), timeout=60)
         except ModelError as e:
             outcomes[i] = e
         seen[i] = model.stats()   # at once, as the call returns
 
     blocker = threading.Thread(target=call, args=("blocker", models.GATE))
     blocker.start()
-    gate.wait_entered()  # the only model process is busy: the next eight requests queue up
-    threads = [threading.Thread(target=call, args=(i, models.RAISE if i == 7 else float(i)))
-               for i in range(8)]
+    gate.wait_entered()  # the only model process is busy: the next n requests queue up
+    culprit = n - 1
+    threads = [threading.Thread(target=call, args=(i, models.RAISE if i == culprit else float(i)))
+               for i in range(n)]
     for t in threads:
         t.start()
-    wait_queued(model, other, n=8)   # one batch of eight (max_batch_size=8), poisoned by request 7
+    wait_queued(model, n=n)   # one batch of n (max_batch_size), poisoned by its last request
     gate.open()
     for t in threads + [blocker]:
         t.join(60)
-    assert len(seen) == 9 and isinstance(outcomes[7], ModelError), outcomes
-    assert all(not isinstance(outcomes[i], Exception) for i in range(7)), outcomes
+    assert len(seen) == n + 1 and isinstance(outcomes[culprit], ModelError), outcomes
+    assert all(not isinstance(outcomes[i], Exception) for i in range(culprit)), outcomes
 
     def grew(stats, key):
         return stats[key] - before[key]
 
-    for i in range(8):   # the gated batch and the poisoned one, counted before any caller woke
-        assert (grew(seen[i], "requests"), grew(seen[i], "batches"), grew(seen[i], "rows")) == (9, 2, 9), \
+    for i in range(n):   # the gated batch and the poisoned one, counted before any caller woke
+        assert (grew(seen[i], "requests"), grew(seen[i], "batches"), grew(seen[i], "rows")) == (n + 1, 2, n + 1), \
             (i, seen[i])
         assert seen[i]["isolated_batches"] == 1, (i, seen[i])
-    assert grew(seen[7], "errors") == 1, seen[7]   # the culprit's own error too
+    assert grew(seen[culprit], "errors") == 1, seen[culprit]   # the culprit's own error too
     after = model.stats()
-    assert (grew(after, "requests"), grew(after, "batches"), grew(after, "errors")) == (9, 2, 1), after
-    assert after["mean_batch_size"] == (before["rows"] + 9) / (before["batches"] + 2)
+    assert (grew(after, "requests"), grew(after, "batches"), grew(after, "errors")) == (n + 1, 2, 1), after
+    assert after["mean_batch_size"] == (before["rows"] + n + 1) / (before["batches"] + 2)
     model.close()
-    other.close()
 
 
 def test_timeout_before_any_model_process_took_the_request(start_runtime, gate):
