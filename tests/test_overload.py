@@ -415,13 +415,16 @@ def test_a_request_handed_back_by_a_process_that_died_is_still_answered(start_ru
     _wait_for(lambda: inst("held") == [1, 1])
     for k in range(3, 7):
         calls[k] = _call_in_thread(m, X * k)
-    _wait_for(lambda: max(inst("held")) == 4)   # one took r3..r6 while the other was busy
-    a = inst("held").index(4)
+    # one took r3..r6 while the other was busy: all four, or three with the last taken later
+    # (which process takes each is a race), client._SEND_BUFFER
+    _wait_for(lambda: max(inst("held")) >= 3)
+    held = inst("held")
+    a = held.index(max(held))
     b = 1 - a
     os.kill(pids[b], signal.SIGSTOP)            # the peer, slow to read what comes back ...
     try:
         rt.ctls["m"].all_instances["free"][b] = 1   # ... and idle as far as a can tell (set here)
-        _wait_for(lambda: inst("held")[a] == 1)  # a handed three back and computes one
+        _wait_for(lambda: inst("held")[a] == 1)  # a handed back all but the one it computes
         os.kill(pids[a], signal.SIGKILL)
         _wait_for(lambda: not pid_alive(pids[a]))
     finally:
